@@ -1,0 +1,89 @@
+"""The attention-backend interface: a backend owns its KV-cache slab and its attention math.
+
+The runner builds one `AttentionMetadata` per step (flat tensors, shared by all L layers);
+each backend may derive extra per-step state from it once, in `prepare`, and then every
+layer calls `forward`, which writes this step's K/V into the slab and attends over it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from weft.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's attention inputs for B requests and T_total new tokens.
+
+    Requests are laid out back to back: the new tokens of request b are rows
+    `query_start_loc[b]:query_start_loc[b+1]` of q/k/v, and they sit at the end of its
+    sequence, so query row i of request b is at position `context_lens[b] - T_b + i`.
+    """
+
+    slot_mapping: torch.Tensor  # [T_total] int64: cache slot (block * P + offset) of each new token
+    query_start_loc: torch.Tensor  # [B+1] int32: prefix sums of T over requests
+    context_lens: torch.Tensor  # [B] int32: tokens of request b in the cache once this step has written
+    block_tables: torch.Tensor  # [B, max_blocks] int32: blocks of request b in order, padded with 0
+    max_query_len: int  # max T over requests (host int: no device sync needed)
+    max_context_len: int  # max context_lens (host int)
+
+    @property
+    def num_requests(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request brings exactly one new token."""
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """A KV-cache slab of N blocks of P tokens for all L layers, and attention over it."""
+
+    name: ClassVar[str]
+
+    def __init__(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"{self.name}: need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.cfg = cfg
+        self.num_blocks = num_blocks  # N
+        self.block_size = block_size  # P
+        self.scale = cfg.D**-0.5
+        # zeros, not empty: padded reads multiply masked slots by 0, and 0 * NaN garbage is NaN
+        self.kv_cache = torch.zeros(self.slab_shape(cfg, num_blocks, block_size), dtype=dtype, device=device)
+
+    @staticmethod
+    @abstractmethod
+    def slab_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of the whole cache, K and V for every layer."""
+
+    @classmethod
+    def block_bytes(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block costs across K, V and all layers: what pool sizing divides by."""
+        return 2 * cfg.L * block_size * cfg.H_kv * cfg.D * torch.empty((), dtype=dtype).element_size()
+
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        """Per-step state derived from `meta` once, before the L layers run; passed to `forward`."""
+        return meta
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Any
+    ) -> torch.Tensor:
+        """q [T_total, H_q, D], k/v [T_total, H_kv, D] -> o [T_total, H_q, D]; stores k/v first."""
+        self.write(layer, k, v, step)
+        return self.attend(layer, q, step)
+
+    @abstractmethod
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: Any) -> None:
+        """Store this step's k/v [T_total, H_kv, D] in layer `layer`'s cache."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, step: Any) -> torch.Tensor:
+        """Causal attention of q [T_total, H_q, D] over each request's cached tokens."""

@@ -1,0 +1,43 @@
+"""Paged backend: blocks of P tokens handed out per request; scatter via slot_mapping, gather by
+block_table into a padded copy, then the same padded SDPA as the contiguous backend.
+
+Slab [2, L, N, P, H_kv, D].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weft.attention.base import AttentionBackend, AttentionMetadata
+from weft.attention.padded import PaddedStep, attend_padded, plan_padded
+from weft.config import ModelConfig
+
+
+class PagedBackend(AttentionBackend):
+    name = "paged"
+
+    @staticmethod
+    def slab_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, cfg.L, num_blocks, block_size, cfg.H_kv, cfg.D)
+
+    def prepare(self, meta: AttentionMetadata) -> PaddedStep:
+        return plan_padded(meta)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: PaddedStep) -> None:
+        write_paged(self.kv_cache, layer, k, v, step.meta.slot_mapping)
+
+    def attend(self, layer: int, q: torch.Tensor, step: PaddedStep) -> torch.Tensor:
+        meta = step.meta
+        S, P = meta.max_context_len, self.block_size
+        table = meta.block_tables[:, : -(-S // P)].long()  # [B, ceil(S / P)]
+        k = self.kv_cache[0, layer][table].flatten(1, 2)[:, :S].transpose(1, 2)  # [B, H_kv, S, D]
+        v = self.kv_cache[1, layer][table].flatten(1, 2)[:, :S].transpose(1, 2)
+        return attend_padded(q, k, v, step, self.scale)
+
+
+def write_paged(
+    kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter k/v [T_total, H_kv, D] into slab [2, L, N, P, H_kv, D] at slot_mapping [T_total]."""
+    kv_cache[0, layer].flatten(0, 1)[slot_mapping] = k
+    kv_cache[1, layer].flatten(0, 1)[slot_mapping] = v

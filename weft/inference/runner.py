@@ -1,0 +1,82 @@
+"""ModelRunner: one forward pass for a scheduled batch.
+
+It flattens the batch into T_total tokens and builds the attention metadata once per
+step (host lists -> one transfer per tensor), runs the model, and samples one token for
+every sequence whose known tokens are all in the cache after this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from weft.attention.base import AttentionBackend, AttentionMetadata
+from weft.inference.scheduler import ScheduledBatch
+from weft.inference.sequence import Sequence
+from weft.layers.sampler import sample
+from weft.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T_total] int64
+    positions: torch.Tensor  # [T_total] int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [B'] int64: row of each sampling sequence's last new token
+    sampling: list[Sequence]  # the B' sequences that get a next token
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, device: torch.device) -> None:
+        self.model = model
+        self.attn = attn
+        self.device = device
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        P = self.attn.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, context_lens, sample_rows, sampling = [0], [], [], []
+        for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            begin, end = seq.num_computed_tokens, seq.num_computed_tokens + T
+            input_ids += seq.token_ids[begin:end]
+            positions += range(begin, end)
+            slots += (seq.block_table[p // P] * P + p % P for p in range(begin, end))
+            starts.append(starts[-1] + T)
+            context_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(starts[-1] - 1)
+                sampling.append(seq)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            query_start_loc=self._tensor(starts, torch.int32),
+            context_lens=self._tensor(context_lens, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),
+            max_query_len=max(batch.num_new_tokens),
+            max_context_len=max(context_lens),
+        )
+        return StepInputs(
+            self._tensor(input_ids, torch.int64),
+            self._tensor(positions, torch.int64),
+            meta,
+            self._tensor(sample_rows, torch.int64),
+            sampling,
+        )
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
+        """-> the sequences that got a next token, and those tokens."""
+        x = self.prepare(batch)
+        hidden = self.model(x.input_ids, x.positions, self.attn, self.attn.prepare(x.meta))  # [T_total, E]
+        if not x.sampling:
+            return [], []
+        logits = self.model.logits(hidden[x.sample_rows])  # [B', V]
+        tokens = sample(logits, [s.params for s in x.sampling], [s.generator for s in x.sampling])
+        return x.sampling, tokens.tolist()
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -1,0 +1,19 @@
+"""SwiGLU MLP with gate and up projections fused into one matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, E: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(E, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, E, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T_total, E] -> [T_total, E]"""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,30 @@
+"""Rotary position embedding (rotate-half convention, as HF Llama/Qwen3), looked up by position."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, D: int, theta: float, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)  # [D/2]
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [S_max, D/2]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [S_max, D]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T_total], q [T_total, H_q, D], k [T_total, H_kv, D] -> rotated q, k."""
+        # like HF, the tables are cast to the activations' dtype before the multiply
+        cos = self.cos[positions][:, None, :].to(q.dtype)  # [T_total, 1, D]
+        sin = self.sin[positions][:, None, :].to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin

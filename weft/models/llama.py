@@ -1,0 +1,95 @@
+"""The Llama decoder on weft's layers; Qwen3 (qwen3.py) differs only in normalizing q and k.
+
+Parameter names follow HF's so weights map one to one, except the fused `qkv_proj`
+(q, k, v) and `gate_up_proj` (gate, up), one matmul each (see weights.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from weft.attention.base import AttentionBackend
+from weft.config import ModelConfig
+from weft.layers.mlp import SwiGLU
+from weft.layers.norm import RMSNorm
+from weft.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.qkv_proj = nn.Linear(cfg.E, (cfg.H_q + 2 * cfg.H_kv) * cfg.D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.H_q * cfg.D, cfg.E, bias=cfg.attention_bias)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend, step: Any
+    ) -> torch.Tensor:
+        """x [T_total, E], positions [T_total] -> [T_total, E]"""
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(x).split([cfg.H_q * cfg.D, cfg.H_kv * cfg.D, cfg.H_kv * cfg.D], dim=-1)
+        q, k = self.normalize_qk(q.view(-1, cfg.H_q, cfg.D), k.view(-1, cfg.H_kv, cfg.D))
+        q, k = rope(positions, q, k)
+        o = attn.forward(self.layer, q, k, v.view(-1, cfg.H_kv, cfg.D), step)  # [T_total, H_q, D]
+        return self.o_proj(o.flatten(1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.E, cfg.rms_eps)
+        self.self_attn = attention_cls(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.E, cfg.rms_eps)
+        self.mlp = SwiGLU(cfg.E, cfg.intermediate, cfg.mlp_bias)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend, step: Any
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.V, cfg.E)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attention_cls) for i in range(cfg.L))
+        self.norm = RMSNorm(cfg.E, cfg.rms_eps)
+        self.rotary = RotaryEmbedding(cfg.D, cfg.rope_theta, cfg.max_model_len)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, step: Any
+    ) -> torch.Tensor:
+        """input_ids, positions [T_total] -> hidden [T_total, E]"""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, attn, step)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderModel(cfg, self.attention_cls)
+        self.lm_head = nn.Linear(cfg.E, cfg.V, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, step: Any
+    ) -> torch.Tensor:
+        """input_ids, positions [T_total] -> hidden [T_total, E] (logits only where needed: `logits`)."""
+        return self.model(input_ids, positions, attn, step)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, E] -> logits [B, V] float32"""
+        return self.lm_head(hidden).float()

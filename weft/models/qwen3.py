@@ -1,0 +1,24 @@
+"""Qwen3: the Llama decoder with a per-head RMSNorm on q and k before RoPE."""
+
+from __future__ import annotations
+
+import torch
+
+from weft.config import ModelConfig
+from weft.layers.norm import RMSNorm
+from weft.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__(cfg, layer)
+        self.q_norm = RMSNorm(cfg.D, cfg.rms_eps)
+        self.k_norm = RMSNorm(cfg.D, cfg.rms_eps)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T_total, H_q, D], k [T_total, H_kv, D]"""
+        return self.q_norm(q), self.k_norm(k)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention
