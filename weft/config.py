@@ -30,8 +30,7 @@ class ModelConfig:
         arch = hf_config.model_type
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {arch!r}: weft supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES.values())}"
+                f"unsupported architecture {arch!r}: weft supports {', '.join(SUPPORTED_ARCHITECTURES.values())}"
             )
         rope = dict(getattr(hf_config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")

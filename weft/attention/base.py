@@ -73,9 +73,7 @@ class AttentionBackend(ABC):
         """Per-step state derived from `meta` once, before the L layers run; passed to `forward`."""
         return meta
 
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Any
-    ) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Any) -> torch.Tensor:
         """q [T_total, H_q, D], k/v [T_total, H_kv, D] -> o [T_total, H_q, D]; stores k/v first."""
         self.write(layer, k, v, step)
         return self.attend(layer, q, step)

@@ -39,9 +39,7 @@ def plan_padded(meta: AttentionMetadata) -> PaddedStep:
     return PaddedStep(meta, token_request, token_index, mask[:, None])
 
 
-def attend_padded(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PaddedStep, scale: float
-) -> torch.Tensor:
+def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PaddedStep, scale: float) -> torch.Tensor:
     """q [T_total, H_q, D], k/v [B, H_kv, S, D] -> o [T_total, H_q, D]."""
     meta = step.meta
     B, T_max = meta.num_requests, meta.max_query_len

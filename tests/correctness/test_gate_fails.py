@@ -1,0 +1,49 @@
+"""The gate can fail: a deliberately faulty cache write must be reported as a mismatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weft import attention
+from weft.attention.paged import PagedBackend, write_paged
+from weft.conformance import Case, report_lines, run_case
+
+pytestmark = pytest.mark.correctness
+
+
+class OffByOneWrite(PagedBackend):
+    """Writes each token's K/V one slot too far: the bug class paged caches are prone to."""
+
+    name = "off-by-one"
+
+    def write(self, layer, k, v, step):
+        write_paged(self.kv_cache, layer, k, v, step.meta.slot_mapping + 1)
+
+
+def test_faulty_cache_write_is_reported(monkeypatch, reference, device):
+    monkeypatch.setitem(attention.BACKENDS, OffByOneWrite.name, OffByOneWrite)
+    ref = reference("tiny-llama")
+    result = run_case(
+        ref.loaded.hf_model, Case(OffByOneWrite.name, "continuous"), ref.prompts, ref.expected, ref.max_tokens,
+        "float32", device, ignore_eos=True,
+    )
+    assert not result.ok
+    diverging = [p for p in result.prompts if p.divergence is not None]
+    assert diverging, "the faulty backend went unnoticed"
+    lines = list(report_lines(result, decode=lambda ids: " ".join(map(str, ids))))
+    assert any(" FAIL at token " in line for line in lines)
+    first = diverging[0]
+    assert first.expected[: first.divergence] == first.got[: first.divergence]
+    assert first.expected[first.divergence] != first.got[first.divergence]
+
+
+def test_correct_backend_passes_same_check(reference, device):
+    """The same check, on the real backend, passes: the failure above is the fault's doing."""
+    ref = reference("tiny-llama")
+    result = run_case(
+        ref.loaded.hf_model, Case("paged", "continuous"), ref.prompts, ref.expected, ref.max_tokens,
+        "float32", device, ignore_eos=True,
+    )
+    assert result.ok
+    assert torch.tensor([len(p.got) for p in result.prompts]).eq(ref.max_tokens).all()

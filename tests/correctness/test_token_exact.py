@@ -1,0 +1,32 @@
+"""weft's greedy tokens equal HF generate's: model x backend x scheduler x pool x arrivals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weft.attention import available_backends
+from weft.conformance import Case, run_case
+from weft.inference.scheduler import SCHEDULERS
+
+pytestmark = pytest.mark.correctness
+
+CASES = [
+    Case(attention, scheduler, pool, midflight)
+    for attention in available_backends("cuda" if torch.cuda.is_available() else "cpu")
+    for scheduler in SCHEDULERS
+    for pool in ("full", "small")
+    for midflight in (False, True)
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+def test_matches_hf(model, case, reference, device):
+    ref = reference(model)
+    result = run_case(
+        ref.loaded.hf_model, case, ref.prompts, ref.expected, ref.max_tokens, "float32", device,
+        ignore_eos=ref.ignore_eos,
+    )
+    mismatches = {p.index: p.divergence for p in result.prompts if p.divergence is not None}
+    assert not mismatches, f"prompt -> first diverging token: {mismatches}"
+    assert not result.problems

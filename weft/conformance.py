@@ -1,0 +1,162 @@
+"""The token-exact gate: weft's greedy tokens must equal HF `generate`'s, token for token.
+
+One HF reference per prompt (batch 1, no padding), then every case — backend x scheduler,
+a mid-flight admission run, a pool small enough to force preemptions — must reproduce it.
+Used by main.py and tests/correctness alike.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from weft.attention import available_backends
+from weft.inference.llm import LLM
+from weft.inference.params import SamplingParams
+from weft.inference.scheduler import SCHEDULERS
+
+PROMPTS = [
+    "What is the capital of France?",
+    "hi",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers and say why each is prime.",
+    "Summarize the plot of Romeo and Juliet in one paragraph, naming both families.",
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    attention: str
+    scheduler: str
+    pool: str = "full"  # "full": every request fits at once; "small": forces preemptions
+    midflight: bool = False  # requests arrive at staggered ticks
+
+    @property
+    def label(self) -> str:
+        extra = [s for s, on in (("midflight", self.midflight), ("small-pool", self.pool == "small")) if on]
+        return "/".join([self.attention, self.scheduler, *extra])
+
+
+@dataclass
+class PromptResult:
+    index: int
+    expected: list[int]
+    got: list[int]
+
+    @property
+    def divergence(self) -> int | None:
+        """First token index where the two differ, or None when equal."""
+        for i, (a, b) in enumerate(zip(self.expected, self.got, strict=False)):
+            if a != b:
+                return i
+        return None if len(self.expected) == len(self.got) else min(len(self.expected), len(self.got))
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    prompts: list[PromptResult]
+    preemptions: int
+    problems: list[str] = field(default_factory=list)  # case-level failures (a pool that did not preempt)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(p.divergence is None for p in self.prompts)
+
+
+def standard_cases(device: torch.device | str) -> list[Case]:
+    """Every backend x scheduler usable on `device`, then mid-flight and small-pool runs on paged layouts."""
+    backends = available_backends(device)
+    cases = [Case(a, s) for a in backends for s in SCHEDULERS]
+    for a in backends:
+        if a != "contiguous":
+            cases += [Case(a, "continuous", midflight=True), Case(a, "continuous", pool="small")]
+    return cases
+
+
+@torch.inference_mode()
+def hf_reference(
+    hf_model: PreTrainedModel, prompts: list[list[int]], max_tokens: int, ignore_eos: bool
+) -> list[list[int]]:
+    """HF greedy continuations, one prompt at a time (no padding to perturb the numbers)."""
+    eos = hf_model.generation_config.eos_token_id
+    outs = []
+    for ids in prompts:
+        x = torch.tensor([ids], device=hf_model.device)
+        y = hf_model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens if ignore_eos else 0,
+            do_sample=False,
+            eos_token_id=None if ignore_eos else eos,
+            pad_token_id=eos if eos is not None else 0,
+        )
+        outs.append(y[0, len(ids) :].tolist())
+    return outs
+
+
+def run_case(
+    hf_model: PreTrainedModel,
+    case: Case,
+    prompts: list[list[int]],
+    expected: list[list[int]],
+    max_tokens: int,
+    dtype: str,
+    device: torch.device | str,
+    block_size: int = 4,
+    ignore_eos: bool = False,
+) -> CaseResult:
+    """Serve `prompts` with weft under `case` and compare each with `expected`."""
+    longest = max(len(p) for p in prompts) + max_tokens
+    needs = [-(-(len(p) + max_tokens - 1) // block_size) for p in prompts]  # blocks per request, alone
+    contiguous = case.attention == "contiguous"
+    if case.pool == "small":
+        # exactly the prompts' blocks (and at least the largest request's): the continuous scheduler
+        # admits every prompt, and the first sequence to outgrow its blocks forces a preemption
+        prompt_blocks = sum(-(-len(p) // block_size) for p in prompts)
+        num_blocks = 2 if contiguous else max(*needs, prompt_blocks)
+    else:
+        num_blocks = len(prompts) if contiguous else sum(needs)
+    llm = LLM(
+        hf_model,
+        attention=case.attention,
+        scheduler=case.scheduler,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=longest if contiguous else None,
+        dtype=dtype,
+        device=device,
+    )
+    arrivals = [3 * i for i in range(len(prompts))] if case.midflight else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    outs = llm.generate(prompts, params, arrivals=arrivals)
+    result = CaseResult(
+        case,
+        [PromptResult(i, e, o.token_ids) for i, (e, o) in enumerate(zip(expected, outs, strict=True))],
+        llm.stats.num_preemptions,
+    )
+    forced = case.pool == "small" and case.scheduler == "continuous" and not contiguous and not case.midflight
+    if forced and result.preemptions == 0:
+        result.problems.append(f"a pool of {num_blocks} blocks forced no preemption")
+    del llm
+    gc.collect()
+    return result
+
+
+def report_lines(result: CaseResult, decode) -> Iterator[str]:
+    """One line per prompt: OK, or FAIL with the divergence position and both continuations."""
+    for p in result.prompts:
+        head = f"[{result.case.label}] prompt {p.index}"
+        at = p.divergence
+        if at is None:
+            yield f"{head} OK ({len(p.got)} tokens)"
+        else:
+            yield (f"{head} FAIL at token {at}: hf={decode(p.expected[at:])!r} weft={decode(p.got[at:])!r}")
+    for problem in result.problems:
+        yield f"[{result.case.label}] FAIL: {problem}"
