@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from weft.conformance import PROMPTS, hf_reference, report_lines, run_case, standard_cases
+from weft.conformance import conformance_prompts, hf_reference, report_lines, run_case, standard_cases
 from weft.inference.llm import DTYPES
 from weft.models.loader import DEFAULT_MODEL, load_model
 
@@ -39,29 +39,25 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     print(f"loading {args.model} ({args.dtype}, {args.device})...", flush=True)
     loaded = load_model(args.model, DTYPES[args.dtype], torch.device(args.device))
-    tok = loaded.tokenizer
-    if tok is None:
-        print(f"{args.model} has no tokenizer: the check needs chat-templated text prompts", file=sys.stderr)
-        return 2
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        for p in PROMPTS
-    ]
+    prompts = conformance_prompts(loaded)
+    # without a tokenizer (random weights) EOS means nothing: every prompt runs to --max-tokens
+    ignore_eos = loaded.tokenizer is None
+    decode = loaded.tokenizer.decode if loaded.tokenizer else (lambda ids: " ".join(map(str, ids)))
     print(f"HF reference: {len(prompts)} prompts, greedy, up to {args.max_tokens} tokens...", flush=True)
-    expected = hf_reference(loaded.hf_model, prompts, args.max_tokens, ignore_eos=False)
+    expected = hf_reference(loaded.hf_model, prompts, args.max_tokens, ignore_eos)
     failed = 0
-    for case in standard_cases(args.device):
-        result = run_case(loaded.hf_model, case, prompts, expected, args.max_tokens, args.dtype, args.device)
-        for line in report_lines(result, tok.decode):
+    cases = standard_cases(args.device)
+    for case in cases:
+        result = run_case(
+            loaded.hf_model, case, prompts, expected, args.max_tokens, args.dtype, args.device, ignore_eos=ignore_eos
+        )
+        for line in report_lines(result, decode):
             print(line, flush=True)
         if result.preemptions:
             print(f"[{case.label}] {result.preemptions} preemptions", flush=True)
         failed += not result.ok
-    cases = len(standard_cases(args.device))
-    verdict = "all OK" if not failed else f"{failed} of {cases} cases FAILED"
-    print(f"{verdict} ({cases} cases x {len(prompts)} prompts, {time.perf_counter() - started:.0f} s)")
+    verdict = "all OK" if not failed else f"{failed} of {len(cases)} cases FAILED"
+    print(f"{verdict} ({len(cases)} cases x {len(prompts)} prompts, {time.perf_counter() - started:.0f} s)")
     return 1 if failed else 0
 
 

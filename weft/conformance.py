@@ -18,6 +18,7 @@ from weft.attention import available_backends
 from weft.inference.llm import LLM
 from weft.inference.params import SamplingParams
 from weft.inference.scheduler import SCHEDULERS
+from weft.models.loader import LoadedModel
 
 PROMPTS = [
     "What is the capital of France?",
@@ -27,6 +28,21 @@ PROMPTS = [
     "List three prime numbers and say why each is prime.",
     "Summarize the plot of Romeo and Juliet in one paragraph, naming both families.",
 ]
+
+
+def conformance_prompts(loaded: LoadedModel, count: int = len(PROMPTS)) -> list[list[int]]:
+    """Ragged prompts as token ids: chat-templated PROMPTS, or random ids for a model without a tokenizer."""
+    tok = loaded.tokenizer
+    if tok is not None:
+        return [
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for p in PROMPTS[:count]
+        ]
+    gen = torch.Generator().manual_seed(1)
+    lengths = (1, 7, 30, 15, 3, 22)[:count]
+    return [torch.randint(0, loaded.config.V, (n,), generator=gen).tolist() for n in lengths]
 
 
 @dataclass(frozen=True)

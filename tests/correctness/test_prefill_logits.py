@@ -22,8 +22,14 @@ def test_prefill_logits_match_hf(model, attention, reference, device):
     ref = reference(model)
     ids = max(ref.prompts, key=len)
     P = 8  # contiguous rows hold max_model_len tokens whatever P is
-    llm = LLM(ref.loaded.hf_model, attention=attention, num_blocks=-(-len(ids) // P), block_size=P,
-              max_model_len=len(ids) + 1, device=device)
+    llm = LLM(
+        ref.loaded.hf_model,
+        attention=attention,
+        num_blocks=-(-len(ids) // P),
+        block_size=P,
+        max_model_len=len(ids) + 1,
+        device=device,
+    )
     seq = Sequence(0, list(ids), len(ids), SamplingParams(), len(ids) + 1, RequestMetrics(0, 0.0))
     BlockManager(llm.attn.num_blocks, llm.attn.block_size).grow(seq, len(ids))
     batch = ScheduledBatch()

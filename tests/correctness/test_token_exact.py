@@ -24,7 +24,13 @@ CASES = [
 def test_matches_hf(model, case, reference, device):
     ref = reference(model)
     result = run_case(
-        ref.loaded.hf_model, case, ref.prompts, ref.expected, ref.max_tokens, "float32", device,
+        ref.loaded.hf_model,
+        case,
+        ref.prompts,
+        ref.expected,
+        ref.max_tokens,
+        "float32",
+        device,
         ignore_eos=ref.ignore_eos,
     )
     mismatches = {p.index: p.divergence for p in result.prompts if p.divergence is not None}

@@ -203,6 +203,8 @@ class LLM:
                 num_blocks = sum(-(-s.max_kv_tokens // P) for s in seqs)
         if num_blocks is None:  # CUDA: a share of free memory
             free, total = torch.cuda.mem_get_info(self.device)
+            # memory PyTorch has cached but not handed out (an earlier pool, say) is free to us too
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             budget = free - (1 - self.gpu_memory_utilization) * total
             num_blocks = int(budget // self.backend_cls.block_bytes(self.model_config, P, self.dtype))
             if self.backend_cls is ContiguousBackend:
