@@ -1,0 +1,89 @@
+"""Random paged-attention inputs and their float64 reference, for the kernel tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from weft.attention.base import AttentionMetadata
+
+# ||out - ref|| / ||ref|| allowed per dtype (GPU.md): float32 products are exact ("ieee" dots).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@dataclass
+class PagedCase:
+    """One step's inputs: B requests with T_b new tokens each, at the end of their contexts."""
+
+    q: torch.Tensor  # [T_total, H_q, D]
+    k_cache: torch.Tensor  # [N, P, H_kv, D]: NaN in every slot outside the contexts
+    v_cache: torch.Tensor  # [N, P, H_kv, D]
+    block_tables: torch.Tensor  # [B, max_blocks] int32: shuffled blocks, padded with 0
+    query_start_loc: torch.Tensor  # [B+1] int32
+    context_lens: torch.Tensor  # [B] int32
+    slot_mapping: torch.Tensor  # [T_total] int64: slots of the new tokens
+
+    def meta(self) -> AttentionMetadata:
+        q_lens = self.query_start_loc.diff()
+        return AttentionMetadata(
+            self.slot_mapping, self.query_start_loc, self.context_lens, self.block_tables,
+            int(q_lens.max()), int(self.context_lens.max()),
+        )
+
+
+def make_case(
+    H_q: int, H_kv: int, D: int, P: int, q_lens: list[int], context_lens: list[int],
+    dtype: torch.dtype, device: torch.device | str, seed: int,
+) -> PagedCase:
+    """Fresh random q and cache; each request's blocks are drawn in shuffled order from N."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = [-(-c // P) for c in context_lens]
+    N = sum(num_blocks) + 3  # a few blocks no request owns
+    order = torch.randperm(N, generator=g)
+    table = torch.zeros(len(context_lens), max(num_blocks) + 1, dtype=torch.int64)  # one padding column
+    k_cache = torch.full((N * P, H_kv, D), float("nan"), dtype=dtype)
+    v_cache = torch.full((N * P, H_kv, D), float("nan"), dtype=dtype)
+    slots, first = [], 0
+    for b, (t, c) in enumerate(zip(q_lens, context_lens, strict=True)):
+        table[b, : num_blocks[b]] = order[first : first + num_blocks[b]]
+        first += num_blocks[b]
+        pos = torch.arange(c)
+        slot = table[b, pos // P] * P + pos % P
+        k_cache[slot] = torch.randn(c, H_kv, D, generator=g).to(dtype)
+        v_cache[slot] = torch.randn(c, H_kv, D, generator=g).to(dtype)
+        slots.append(slot[c - t :])
+    starts = torch.tensor([0, *q_lens]).cumsum(0)
+    return PagedCase(
+        q=torch.randn(int(starts[-1]), H_q, D, generator=g).to(dtype).to(device),
+        k_cache=k_cache.view(N, P, H_kv, D).to(device),
+        v_cache=v_cache.view(N, P, H_kv, D).to(device),
+        block_tables=table.to(torch.int32).to(device),
+        query_start_loc=starts.to(torch.int32).to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.cat(slots).to(device),
+    )
+
+
+def reference(case: PagedCase, scale: float) -> torch.Tensor:
+    """Causal attention in float64, request by request -> [T_total, H_q, D]."""
+    H_q, H_kv = case.q.shape[1], case.k_cache.shape[2]
+    starts, ctx = case.query_start_loc.tolist(), case.context_lens.tolist()
+    out = []
+    for b, c in enumerate(ctx):
+        q = case.q[starts[b] : starts[b + 1]].double()  # [T, H_q, D]
+        blocks = case.block_tables[b].long()
+        k = case.k_cache[blocks].flatten(0, 1)[:c].double().repeat_interleave(H_q // H_kv, 1)  # [c, H_q, D]
+        v = case.v_cache[blocks].flatten(0, 1)[:c].double().repeat_interleave(H_q // H_kv, 1)
+        s = torch.einsum("thd,shd->hts", q, k) * scale
+        q_pos = c - q.shape[0] + torch.arange(q.shape[0], device=q.device)
+        s = s.masked_fill(torch.arange(c, device=q.device) > q_pos[:, None], float("-inf"))
+        out.append(torch.einsum("hts,shd->thd", s.softmax(-1), v))
+    return torch.cat(out)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Every element written (the output was NaN-poisoned) and within the dtype's tolerance."""
+    assert out.isfinite().all(), f"{(~out.isfinite()).sum().item()} output elements unwritten or not finite"
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err <= TOLERANCE[out.dtype], f"relative error {err:.3g} > {TOLERANCE[out.dtype]:g}"

@@ -1,0 +1,139 @@
+"""TritonBackend end to end (prepare, write, attend) and its refusal of bad inputs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.kernels.paged_case import PagedCase, assert_matches, make_case, reference
+from weft.attention import get_backend
+from weft.attention.triton import TritonBackend
+from weft.config import ModelConfig
+
+pytestmark = pytest.mark.kernels
+LAYER = 1  # of L = 2: the other layer must not be read
+
+
+def model_config(H_q: int, H_kv: int, D: int) -> ModelConfig:
+    return ModelConfig(
+        arch="llama", V=32, E=H_q * D, L=2, H_q=H_q, H_kv=H_kv, D=D, intermediate=32, rms_eps=1e-6,
+        rope_theta=1e4, max_model_len=1 << 16, tie_word_embeddings=False,
+    )
+
+
+def backend_for(case: PagedCase) -> tuple[TritonBackend, torch.Tensor, torch.Tensor]:
+    """A backend whose layer LAYER holds the case's context, less the new tokens: those are
+    returned as k/v [T_total, H_kv, D] for `forward` to write. Everything else is NaN."""
+    N, P, H_kv, D = case.k_cache.shape
+    backend = get_backend("triton")(model_config(case.q.shape[1], H_kv, D), N, P, case.q.dtype, case.q.device)
+    backend.kv_cache.fill_(float("nan"))
+    slots = case.slot_mapping
+    k_new, v_new = (c.flatten(0, 1)[slots].clone() for c in (case.k_cache, case.v_cache))
+    for i, cache in enumerate((case.k_cache, case.v_cache)):
+        backend.kv_cache[i, LAYER] = cache
+        backend.kv_cache[i, LAYER].flatten(0, 1)[slots] = float("nan")
+    return backend, k_new, v_new
+
+
+def run_step(case: PagedCase) -> torch.Tensor:
+    backend, k, v = backend_for(case)
+    step = backend.prepare(case.meta())
+    assert (step.splits is not None) == step.meta.is_decode
+    return backend.forward(LAYER, case.q, k, v, step)
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "context_lens"),
+    [([1, 1, 1], [1, 90, 33]), ([1, 30, 4], [50, 30, 4])],
+    ids=["decode", "mixed"],
+)
+def test_forward_fp32(device, q_lens, context_lens):
+    case = make_case(4, 2, 64, 16, q_lens, context_lens, torch.float32, device, 3)
+    assert_matches(run_step(case), reference(case, 64**-0.5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("q_lens", "context_lens"),
+    [([1] * 8, [1, 5000, 300, 2048, 77, 4096, 1, 999]), ([1, 1000, 1, 257], [3000, 1000, 17, 2000])],
+    ids=["decode", "mixed"],
+)
+def test_forward_gpu(device, q_lens, context_lens):
+    case = make_case(16, 8, 128, 16, q_lens, context_lens, torch.bfloat16, device, 4)
+    assert_matches(run_step(case), reference(case, 128**-0.5))
+
+
+@pytest.fixture
+def bad_case(device) -> PagedCase:
+    return make_case(4, 2, 64, 8, [1, 3], [10, 20], torch.float32, device, 5)
+
+
+def test_rejects_head_dim_not_power_of_two(device):
+    with pytest.raises(ValueError, match="power of two"):
+        TritonBackend(model_config(4, 2, 96), 4, 8, torch.float32, device)
+
+
+@pytest.mark.parametrize(
+    "which",
+    ["q heads", "k heads", "v head dim", "q dtype", "k tokens"],
+)
+def test_rejects_mismatched_tokens(bad_case, which):
+    backend, k, v = backend_for(bad_case)
+    q = bad_case.q
+    if which == "q heads":
+        q = q[:, :2]
+    elif which == "k heads":
+        k = k.repeat(1, 2, 1)
+    elif which == "v head dim":
+        v = v[..., :32]
+    elif which == "q dtype":
+        q = q.double()
+    else:
+        k = k[:-1]
+    step = backend.prepare(bad_case.meta())
+    with pytest.raises(ValueError, match="the cache needs"):
+        backend.forward(LAYER, q, k, v, step)
+
+
+@pytest.mark.parametrize("entry", [-1, "N"])
+def test_rejects_block_table_entry_out_of_range(bad_case, entry):
+    backend, _, _ = backend_for(bad_case)
+    table = bad_case.block_tables.clone()
+    table[1, 0] = backend.num_blocks if entry == "N" else entry
+    with pytest.raises(ValueError, match="block table entry"):
+        backend.prepare(replace(bad_case.meta(), block_tables=table))
+
+
+def test_rejects_context_beyond_block_table(bad_case):
+    backend, _, _ = backend_for(bad_case)
+    meta = bad_case.meta()
+    too_long = meta.block_tables.shape[1] * backend.block_size + 1
+    context_lens = meta.context_lens.clone()
+    context_lens[0] = too_long
+    with pytest.raises(ValueError, match="needs .* blocks"):
+        backend.prepare(replace(meta, context_lens=context_lens, max_context_len=too_long))
+
+
+def test_rejects_context_lens_past_max_context_len(bad_case):
+    backend, _, _ = backend_for(bad_case)
+    meta = bad_case.meta()
+    with pytest.raises(ValueError, match="max_context_len"):
+        backend.prepare(replace(meta, context_lens=meta.context_lens + 1))
+
+
+def test_rejects_more_new_tokens_than_context(bad_case):
+    backend, _, _ = backend_for(bad_case)
+    meta = bad_case.meta()
+    with pytest.raises(ValueError, match="new tokens"):
+        backend.prepare(replace(meta, context_lens=meta.context_lens.clamp(max=2), max_context_len=2))
+
+
+def test_rejects_slot_out_of_range(bad_case):
+    backend, _, _ = backend_for(bad_case)
+    meta = bad_case.meta()
+    slots = meta.slot_mapping.clone()
+    slots[-1] = backend.num_blocks * backend.block_size
+    with pytest.raises(ValueError, match="slot"):
+        backend.prepare(replace(meta, slot_mapping=slots))

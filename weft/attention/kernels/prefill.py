@@ -1,0 +1,105 @@
+"""Causal flash attention of ragged new tokens over the paged cache (prefill and extend).
+
+One program per (tile of BLOCK_M new tokens of request b, query head). Request b's T_b new
+tokens are the last ones of its context, so its query row i sits at position
+context_lens[b] - T_b + i and sees cache positions 0 .. that position. Tiles of keys that
+every row of the query tile sees skip the causal mask; only the few on the diagonal pay it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from weft.attention.kernels.tiles import LOG2E, softmax_step, token_offsets
+
+BLOCK_M = 128  # new tokens per program
+BLOCK_N = 64  # cached tokens per tile
+NUM_WARPS = 8
+NUM_STAGES = 2
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, query_start_loc_ptr, context_lens_ptr,
+    scale_log2, num_m_tiles,
+    stride_qt, stride_qh, stride_qd,
+    stride_kn, stride_kp, stride_kh, stride_kd,
+    stride_table,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Longest-running tiles (the last rows of a request) first, so short ones fill the tail.
+    m_tile = num_m_tiles - 1 - tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    if m_tile * BLOCK_M < q_len:
+        context_len = tl.load(context_lens_ptr + b)
+        rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q_pos = context_len - q_len + rows  # [BLOCK_M] position of each query row
+        d = tl.arange(0, D)
+        q_rows = (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd
+        q = tl.load(q_ptr + q_rows, mask=row_ok[:, None], other=0.0)
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        table = table_ptr + b * stride_table
+        head_k = k_ptr + (h // GROUP) * stride_kh
+        head_v = v_ptr + (h // GROUP) * stride_kh
+        first = context_len - q_len + m_tile * BLOCK_M  # position of the tile's first row
+        full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys before this: seen by every row
+        kv_end = tl.minimum(first + BLOCK_M, context_len)  # keys from this on: seen by no row
+        for start in range(0, full_end, BLOCK_N):
+            offs = token_offsets(table, start, full_end, stride_kn, stride_kp, P, BLOCK_N)
+            k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd)
+            v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd)
+            m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, True)
+        for start in range(full_end, kv_end, BLOCK_N):
+            offs = token_offsets(table, start, kv_end, stride_kn, stride_kp, P, BLOCK_N)
+            pos = start + tl.arange(0, BLOCK_N)
+            ok = pos < kv_end
+            k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=ok[:, None], other=0.0)
+            v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=ok[:, None], other=0.0)
+            visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, visible)
+
+        # Every row sees position 0, so row_sum > 0 on the rows stored.
+        o = acc / row_sum[:, None]
+        out_rows = (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :] * stride_od
+        tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of q [T_total, H_q, D] over k_cache/v_cache [N, P, H_kv, D] -> out [T_total, H_q, D].
+
+    Request b's new tokens are q rows query_start_loc[b] .. query_start_loc[b+1]-1 (int32
+    [B+1]); its context_lens[b] (int32 [B]) tokens, these included, sit in blocks
+    block_tables[b] (int32 [B, max_blocks]). Inputs are trusted (the backend validates them).
+    """
+    _, H_q, D = q.shape
+    _, P, H_kv, _ = k_cache.shape
+    assert k_cache.stride() == v_cache.stride()
+    num_m_tiles = triton.cdiv(max_query_len, BLOCK_M)
+    _prefill_kernel[(num_m_tiles, context_lens.shape[0], H_q)](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
+        scale * LOG2E, num_m_tiles,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
+        GROUP=H_q // H_kv, D=D, P=P, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return out

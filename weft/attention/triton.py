@@ -1,0 +1,118 @@
+"""Triton backend: the paged slab [2, L, N, P, H_kv, D], read in place by Triton kernels.
+
+Writes are the paged backend's scatter. Reads follow the block table inside the kernels,
+so nothing is gathered into a padded copy: decode steps (one new token per request) run
+split-KV flash-decoding, every other step a causal flash-attention kernel over the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from weft.attention.base import AttentionBackend, AttentionMetadata
+from weft.attention.kernels import DecodeSplits, decode_attention, prefill_attention
+from weft.attention.paged import PagedBackend, write_paged
+from weft.config import ModelConfig
+
+
+@dataclass
+class TritonStep:
+    """Per-step state, built once in `prepare` and used by every layer."""
+
+    meta: AttentionMetadata
+    splits: DecodeSplits | None  # decode steps only: the context split and its scratch
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    slab_shape = staticmethod(PagedBackend.slab_shape)
+
+    def __init__(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        if cfg.D < 16 or cfg.D & (cfg.D - 1):
+            raise ValueError(f"triton: head dimension D must be a power of two >= 16, got {cfg.D}")
+        super().__init__(cfg, num_blocks, block_size, dtype, device)
+
+    def prepare(self, meta: AttentionMetadata) -> TritonStep:
+        self._check_metadata(meta)
+        splits = None
+        if meta.is_decode:
+            cfg = self.cfg
+            splits = DecodeSplits.plan(
+                meta.num_requests, cfg.H_q, cfg.H_kv, cfg.D, meta.max_context_len, self.kv_cache.device
+            )
+        return TritonStep(meta, splits)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: TritonStep) -> None:
+        self._check_tokens("k", k, self.cfg.H_kv, step.meta)
+        self._check_tokens("v", v, self.cfg.H_kv, step.meta)
+        write_paged(self.kv_cache, layer, k, v, step.meta.slot_mapping)
+
+    def attend(self, layer: int, q: torch.Tensor, step: TritonStep) -> torch.Tensor:
+        self._check_tokens("q", q, self.cfg.H_q, step.meta)
+        meta = step.meta
+        k_cache, v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]  # [N, P, H_kv, D]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if step.splits is not None:
+            return decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, step.splits, out
+            )
+        return prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+            meta.max_query_len, self.scale, out,
+        )
+
+    def _check_tokens(self, name: str, x: torch.Tensor, heads: int, meta: AttentionMetadata) -> None:
+        """Host-side only: cheap enough for every layer."""
+        want = (meta.slot_mapping.shape[0], heads, self.cfg.D)
+        cache = self.kv_cache
+        if tuple(x.shape) != want or x.dtype != cache.dtype or x.device != cache.device:
+            raise ValueError(
+                f"triton: {name} is {tuple(x.shape)} {x.dtype} on {x.device}, "
+                f"the cache needs {want} {cache.dtype} on {cache.device}"
+            )
+
+    def _check_metadata(self, meta: AttentionMetadata) -> None:
+        """Refuses metadata that would make the kernels read outside the cache or the block table.
+
+        One host-device sync per step, for all the device-side checks together.
+        """
+        B, N, P = meta.num_requests, self.num_blocks, self.block_size
+        table, device = meta.block_tables, self.kv_cache.device
+        tensors = (meta.slot_mapping, meta.query_start_loc, meta.context_lens, table)
+        if any(t.device != device for t in tensors):
+            raise ValueError(f"triton: the step's metadata must be on the cache's device {device}")
+        if table.dim() != 2 or table.shape[0] != B or tuple(meta.query_start_loc.shape) != (B + 1,):
+            raise ValueError(
+                f"triton: block_tables {tuple(table.shape)} and query_start_loc "
+                f"{tuple(meta.query_start_loc.shape)} do not match {B} requests"
+            )
+        blocks_needed = -(-meta.max_context_len // P)
+        if blocks_needed > table.shape[1]:
+            raise ValueError(
+                f"triton: a context of {meta.max_context_len} tokens needs {blocks_needed} blocks of "
+                f"{P} tokens, but block_tables has {table.shape[1]} columns"
+            )
+        starts = meta.query_start_loc.long()
+        q_lens, ctx = starts[1:] - starts[:-1], meta.context_lens.long()
+        bounds = [table.min(), table.max(), ctx.max(), (ctx - q_lens).min(), q_lens.min(), q_lens.max()]
+        bounds += [meta.slot_mapping.min(), meta.slot_mapping.max()]
+        table_min, table_max, ctx_max, cached_min, q_min, q_max, slot_min, slot_max = (
+            torch.stack([x.long() for x in bounds]).tolist()
+        )
+        if table_min < 0 or table_max >= N:
+            bad = table_min if table_min < 0 else table_max
+            raise ValueError(f"triton: block table entry {bad} is outside [0, {N})")
+        if ctx_max > meta.max_context_len or q_max > meta.max_query_len:
+            raise ValueError(
+                f"triton: context_lens reach {ctx_max} and query lengths {q_max}, beyond "
+                f"max_context_len {meta.max_context_len} / max_query_len {meta.max_query_len}"
+            )
+        if q_min < 1 or cached_min < 0:
+            raise ValueError("triton: every request needs 1 <= new tokens <= its context length")
+        if slot_min < 0 or slot_max >= N * P:
+            bad = slot_min if slot_min < 0 else slot_max
+            raise ValueError(f"triton: slot {bad} is outside the cache's [0, {N * P})")
