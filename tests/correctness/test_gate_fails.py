@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from weft import attention
 from weft.attention.paged import PagedBackend, write_paged
@@ -23,17 +22,7 @@ class OffByOneWrite(PagedBackend):
 
 def test_faulty_cache_write_is_reported(monkeypatch, reference, device):
     monkeypatch.setitem(attention.BACKENDS, OffByOneWrite.name, OffByOneWrite)
-    ref = reference("tiny-llama")
-    result = run_case(
-        ref.loaded.hf_model,
-        Case(OffByOneWrite.name, "continuous"),
-        ref.prompts,
-        ref.expected,
-        ref.max_tokens,
-        "float32",
-        device,
-        ignore_eos=True,
-    )
+    result = _check(reference, OffByOneWrite.name, device)
     assert not result.ok
     diverging = [p for p in result.prompts if p.divergence is not None]
     assert diverging, "the faulty backend went unnoticed"
@@ -46,10 +35,16 @@ def test_faulty_cache_write_is_reported(monkeypatch, reference, device):
 
 def test_correct_backend_passes_same_check(reference, device):
     """The same check, on the real backend, passes: the failure above is the fault's doing."""
+    result = _check(reference, "paged", device)
+    assert result.ok
+    assert all(len(p.got) == reference("tiny-llama").max_tokens for p in result.prompts)
+
+
+def _check(reference, attention_name, device):
     ref = reference("tiny-llama")
-    result = run_case(
+    return run_case(
         ref.loaded.hf_model,
-        Case("paged", "continuous"),
+        Case(attention_name, "continuous"),
         ref.prompts,
         ref.expected,
         ref.max_tokens,
@@ -57,5 +52,3 @@ def test_correct_backend_passes_same_check(reference, device):
         device,
         ignore_eos=True,
     )
-    assert result.ok
-    assert torch.tensor([len(p.got) for p in result.prompts]).eq(ref.max_tokens).all()

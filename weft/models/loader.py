@@ -37,6 +37,17 @@ _TINY = dict(
     initializer_range=0.3,  # peaky logits: greedy choices are far from ties, so exactness is a fair test
 )
 
+_QWEN3 = dict(  # what the Qwen3 sizes share
+    model_type="qwen3",
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
 # Random-weight models: tiny ones for tests and CPU runs, and the shapes of published
 # checkpoints (their config.json values) for benchmarks.
 NAMED_CONFIGS: dict[str, dict] = {
@@ -57,33 +68,9 @@ NAMED_CONFIGS: dict[str, dict] = {
         tie_word_embeddings=True,
     ),
     "qwen3-0.6b": dict(
-        model_type="qwen3",
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        **_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16
     ),
-    "qwen3-4b": dict(
-        model_type="qwen3",
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    ),
+    "qwen3-4b": dict(**_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
 }
 
 
