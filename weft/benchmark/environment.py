@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 from pathlib import Path
 
@@ -11,7 +12,10 @@ import torch
 
 @functools.cache
 def git_sha() -> str:
-    """The commit measured, with '-dirty' when the tree has uncommitted changes; 'unknown' outside git."""
+    """The commit measured, with '-dirty' when the tree has uncommitted changes.
+
+    Outside git (the GPU machine gets the tree without .git): $WEFT_GIT_SHA, else 'unknown'.
+    """
     root = Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(
@@ -21,7 +25,7 @@ def git_sha() -> str:
             ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("WEFT_GIT_SHA", "unknown")
     return sha + ("-dirty" if dirty else "")
 
 

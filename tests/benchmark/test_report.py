@@ -1,0 +1,144 @@
+"""The report on hand-made runs: charts, claims, comparisons, and clear refusals."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from weft.report import main
+
+SERVING = dict(
+    engine="weft", scheduler="continuous", attention="paged", model="m", dtype="bfloat16", pool_blocks=10,
+    block_size=16, requests=4, input_tokens=40, output_tokens=80, makespan_s=2.0, input_tok_s=20.0,
+    output_tok_s=40.0, ttft_p50_s=0.5, ttft_p90_s=0.6, ttft_p99_s=0.7, itl_p50_s=0.02, itl_p90_s=0.03,
+    itl_p99_s=0.04, e2e_p50_s=1.5, e2e_p90_s=1.8, e2e_p99_s=1.9, peak_mem_bytes=2e9, preemptions=0,
+    recomputed_tokens=0, steps=20, incomplete_requests=0,
+)
+
+
+def serving(experiment: str, config: str, **changes) -> dict:
+    scheduler, _, attention = config.partition("×")
+    return {**SERVING, "experiment": experiment, "config": config, "scheduler": scheduler,
+            "attention": attention or "sdpa", **changes}
+
+
+def records(speed: float = 1.0) -> list[dict]:
+    rows = [
+        serving("e4", "static×contiguous", ttft_p50_s=10.0, makespan_s=28.0, itl_p50_s=0.047),
+        serving("e4", "continuous×paged", ttft_p50_s=2.0, makespan_s=14.0, itl_p50_s=0.059),
+        serving("e4", "continuous×triton", ttft_p50_s=1.5 / speed, makespan_s=12.0 / speed, itl_p50_s=0.036),
+        serving("e8", "hf_generate", engine="hf_generate"),
+        serving("e8", "continuous×triton", output_tok_s=400.0 * speed),
+        serving("e7", "continuous×paged", top_ops=[{"op": "aten::mm", "calls_per_tick": 9, "self_ms_per_tick": 3.0}]),
+    ]
+    rows += [serving("e1", f"continuous×{a}", S=S, itl_p50_s=S * k / 1e5) for a, k in (("paged", 2), ("triton", 1))
+             for S in (128, 2048)]
+    rows += [serving("e5", "continuous×triton", pool_fraction=f, output_tok_s=40.0 * f, preemptions=int(10 * (1 - f)))
+             for f in (1.0, 0.5)]
+    rows += [dict(experiment="e3", attention=a, S=S, B=8, P=16, gbps=g * S / 32768, copy_gbps=4000.0,
+                  pct_of_copy=g * S / 32768 / 40) for a, g in (("triton", 3000.0), ("paged", 900.0))
+             for S in (512, 32768)]
+    return rows
+
+
+def write_run(folder: Path, number: int, gpu: str, sha: str, rows: list[dict], when: str) -> Path:
+    path = folder / "Linux-CPython-3.12-64bit" / f"{number:04d}_{sha[:6]}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    benchmarks = [{"name": f"test_{r['experiment']}[{r.get('config', r.get('attention'))}-{r.get('S', '')}"
+                           f"-{r.get('pool_fraction', '')}]", "extra_info": {**r, "gpu": gpu, "git_sha": sha}}
+                  for r in rows]
+    path.write_text(json.dumps({"benchmarks": benchmarks, "datetime": when, "machine_info": {}}))
+    return path
+
+
+def run_report(tmp_path: Path, *args: str) -> int:
+    return main([*args, "--results", str(tmp_path / "results"), "--out", str(tmp_path / "out")])
+
+
+def test_one_run_gives_charts_claims_and_tables(tmp_path):
+    write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", records(), "2026-11-29T10:00:00")
+    assert run_report(tmp_path) == 0
+    out = tmp_path / "out"
+    assert {p.name for p in out.glob("*.png")} == {f"{e}.png" for e in ("e1", "e3", "e4", "e5", "e7", "e8")}
+    readme = (out / "README.md").read_text()
+    assert "NVIDIA H200" in readme and "abc123" in readme
+    assert "10 s → 1.5 s (6.7×)" in readme  # the seed's figure, and the run's own next to it
+    assert "10 s → 1.5 s (6.7×)" in readme.split("10 s → 1.5 s (6.7×) |", 1)[1]
+    assert "28 s vs 12 s (2.3×)" in readme
+    assert "36 ms continuous×triton / 47 ms static×contiguous / 59 ms continuous×paged" in readme
+    assert "triton 3000 GB/s (75% of copy)" in readme
+    assert "continuous×paged ×16, continuous×triton ×16" in readme
+    assert "0.5: 50% (5 preemptions)" in readme
+    assert "pytest-benchmark --storage file://results compare" in readme
+
+
+def test_two_commits_compare_newer_over_older(tmp_path):
+    results = tmp_path / "results"
+    write_run(results, 1, "NVIDIA H200", "old111", records(), "2026-11-29T10:00:00")
+    write_run(results, 2, "NVIDIA H200", "new222", records(speed=2.0), "2026-11-29T11:00:00")
+    assert run_report(tmp_path, "0001", "0002") == 0
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "commit `new222`" in readme and "baseline commit `old111`" in readme
+    assert "| e8 | test_e8[continuous×triton--] | output_tok_s | 400 | 800 | 2 |" in readme
+
+
+def test_split_sessions_of_one_commit_merge_and_other_commits_stay_out(tmp_path):
+    results = tmp_path / "results"
+    rows = records()
+    write_run(results, 1, "NVIDIA H200", "old111", rows, "2026-11-29T09:00:00")
+    write_run(results, 2, "NVIDIA H200", "new222", rows[:3], "2026-11-29T10:00:00")
+    write_run(results, 3, "NVIDIA H200", "new222", rows[3:], "2026-11-29T11:00:00")
+    (results / "notes.json").write_text("[1, 2]")
+    assert run_report(tmp_path) == 0
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "merged runs 0002_new222, 0003_new222" in readme
+    assert "left out 1 stored run(s)" in readme and "skipped" in readme and "baseline commit" not in readme
+
+
+@pytest.mark.parametrize(
+    ("setup", "args", "message"),
+    [
+        ("empty", (), "no stored runs under"),
+        ("machines", ("0001", "0002"), "different machines (NVIDIA H200: 0001_aaa; cpu: 0002_bbb)"),
+        ("commits", ("0001", "0002", "0003"), "span 3 commits"),
+        ("one", ("0007",), "'0007': no run of that name"),
+        ("one", ("--experiment", "e9"), "unknown experiment 'e9'"),
+        ("one", ("--attention", "flash"), "unknown attention 'flash'"),
+        ("one", ("--model", "gpt2"), "unknown model 'gpt2'"),
+        ("one", ("--experiment", "e6"), "no records left after the filters"),
+        ("broken", ("0001",), "not a pytest-benchmark run"),
+    ],
+)
+def test_bad_input_exits_1_with_a_message(tmp_path, capsys, setup, args, message):
+    results = tmp_path / "results"
+    results.mkdir()
+    if setup in ("machines", "commits", "one"):
+        write_run(results, 1, "NVIDIA H200", "aaa", records(), "2026-11-29T10:00:00")
+    if setup in ("machines", "commits"):
+        gpu = "cpu" if setup == "machines" else "NVIDIA H200"
+        write_run(results, 2, gpu, "bbb", records(), "2026-11-29T11:00:00")
+    if setup == "commits":
+        write_run(results, 3, "NVIDIA H200", "ccc", records(), "2026-11-29T12:00:00")
+    if setup == "broken":
+        (results / "0001_x.json").write_text("{not json")
+    assert run_report(tmp_path, *args) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_an_explicit_baseline_compares_runs_of_one_commit(tmp_path):
+    results = tmp_path / "results"
+    write_run(results, 1, "NVIDIA H200", "abc-dirty", records(), "2026-11-29T10:00:00")
+    write_run(results, 2, "NVIDIA H200", "abc-dirty", records(speed=2.0), "2026-11-29T11:00:00")
+    assert run_report(tmp_path, "0002", "--baseline", "0001") == 0
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "| e8 | test_e8[continuous×triton--] | output_tok_s | 400 | 800 | 2 |" in readme
+
+
+def test_a_run_of_one_experiment_reports_the_other_claims_as_missing(tmp_path):
+    e3_only = [r for r in records() if r["experiment"] == "e3"]
+    write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", e3_only, "2026-11-29T10:00:00")
+    assert run_report(tmp_path) == 0
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "n/a: e4 lacks" in readme and "n/a: e5 lacks" in readme and "triton 3000 GB/s" in readme
+    assert "| 8 | 16 | 32768 | 900 (22%) | 3,000 (75%) |" in readme

@@ -1,0 +1,56 @@
+"""Workloads are seeded, in range, and sized as documented."""
+
+import random
+import statistics
+
+import pytest
+
+from weft.benchmark import workloads
+
+
+def test_same_seed_same_workload_other_seed_other_tokens():
+    a = workloads.uniform(8, (5, 9), (2, 4), 100, seed=1, name="a")
+    assert a == workloads.uniform(8, (5, 9), (2, 4), 100, seed=1, name="a")
+    assert a.prompts != workloads.uniform(8, (5, 9), (2, 4), 100, seed=2, name="a").prompts
+
+
+def test_standard_workload_is_256_requests_in_100_to_1024():
+    w = workloads.standard(vocab_size=1000)
+    assert len(w) == 256 and w.offline
+    assert all(100 <= len(r.prompt_token_ids) <= 1024 and 100 <= r.max_tokens <= 1024 for r in w.requests)
+    assert all(0 <= t < 1000 for r in w.requests for t in r.prompt_token_ids)
+    assert w == workloads.standard(vocab_size=1000)  # seed 0, always
+
+
+def test_fixed_workload_sizes():
+    w = workloads.fixed(batch=3, prompt_len=7, max_tokens=5, vocab_size=50)
+    assert w.prompts and all(len(p) == 7 for p in w.prompts) and len(w) == 3
+    assert (w.input_tokens, w.output_tokens, w.max_len) == (21, 15, 12)
+
+
+def test_poisson_ticks_start_at_zero_never_go_back_and_keep_the_rate():
+    ticks = workloads.poisson_ticks(4000, rate=0.5, rng=random.Random(0))
+    assert ticks[0] == 0 and ticks == sorted(ticks)
+    assert statistics.mean(b - a for a, b in zip(ticks, ticks[1:], strict=False)) == pytest.approx(2.0, rel=0.1)
+    with pytest.raises(ValueError, match="rate"):
+        workloads.poisson_ticks(3, rate=0, rng=random.Random(0))
+
+
+def test_arrival_stream_draws_lengths_from_the_mix():
+    w = workloads.arrival_stream(50, prompt_lengths=(4, 16), max_tokens=3, rate=1.0, vocab_size=20)
+    assert {len(p) for p in w.prompts} == {4, 16} and not w.offline
+    assert w.arrivals == sorted(w.arrivals)
+
+
+def test_blocks_count_every_token_but_the_last():
+    w = workloads.Workload("w", (workloads.Request((1,) * 10, 7), workloads.Request((1,) * 3, 2)))
+    # 16 and 4 cached tokens: 2 + 1 blocks of 8; 4 + 1 blocks of 4
+    assert (w.blocks_needed(8), w.largest_request_blocks(8)) == (3, 2)
+    assert (w.blocks_needed(4), w.largest_request_blocks(4)) == (5, 4)
+
+
+def test_warmup_keeps_prompts_and_arrivals_and_shortens_outputs():
+    w = workloads.arrival_stream(5, (3,), max_tokens=9, rate=1.0, vocab_size=10)
+    short = w.with_max_tokens(2)
+    assert (short.prompts, short.arrivals) == (w.prompts, w.arrivals)
+    assert {r.max_tokens for r in short.requests} == {2}

@@ -1,0 +1,256 @@
+"""The perf suite's sizes, models, storage and the `run_benchmark` fixture every experiment uses.
+
+Sizes live here and only here: with CUDA, the published matrix (Qwen3 shapes with random
+weights, bf16); without it, toy sizes on a tiny random Llama, so the suite cannot rot.
+CPU numbers are never published: they land in results/cpu/, not results/.
+
+    uv run pytest tests/perf -m perf                   # CPU: toy sizes, results/cpu/
+    WEFT_GIT_SHA=<sha> PYTHONPATH=. python3 -m pytest tests/perf -m perf   # GPU: results/
+    uv run python -m weft.report                       # charts + results/README.md
+
+Runs are not parallelized: pytest-benchmark disables itself under xdist (`-n`), and timings
+taken next to other workers would be meaningless anyway, so perf tests skip there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Off CUDA Triton runs only in its interpreter, which must be chosen before anything imports
+    # triton; transformers' model classes do, below, so e3's CPU cases would otherwise skip.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel  # noqa: E402
+from transformers.generation import ContinuousBatchingConfig  # noqa: E402
+
+import weft  # noqa: E402
+from weft.attention import available_backends  # noqa: E402
+from weft.benchmark.environment import git_sha  # noqa: E402
+from weft.benchmark.metrics import Served  # noqa: E402
+from weft.benchmark.profiling import top_ops  # noqa: E402
+from weft.benchmark.runner import RunConfig, Server, make_server, record, release, unrelated_bytes  # noqa: E402
+from weft.benchmark.workloads import Workload  # noqa: E402
+from weft.inference.llm import DTYPES  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = "tiny-llama"
+WARMUP_TOKENS = 2  # the warm-up serves the same prompts this far: compile, autotune, allocator
+
+
+@dataclass(frozen=True)
+class Sizes:
+    dtype: str
+    model: str  # e4-e8
+    large_model: str  # e1, e2
+    attention: str  # the backend of the single-backend experiments (e5)
+    e1_prompt_lens: tuple[int, ...]
+    e1_batch: int
+    e1_new_tokens: int
+    e2_batches: tuple[int, ...]
+    e2_prompt_len: int
+    e2_new_tokens: int
+    e4_requests: int
+    e4_prompt_lens: tuple[int, ...]  # the mix each prompt's length is drawn from
+    e4_new_tokens: int
+    e4_rate: float  # Poisson arrivals, requests per engine tick
+    e5_fractions: tuple[float, ...]
+    e5_requests: int
+    e5_prompt_range: tuple[int, int]
+    e5_new_tokens: int
+    e6_block_sizes: tuple[int, ...]
+    e6_requests: int
+    e6_prompt_range: tuple[int, int]
+    e6_new_tokens: int
+    e7_requests: int
+    e7_prompt_len: int
+    e7_new_tokens: int
+    e8_requests: int  # the standard workload: 256 requests, lengths U[100, 1024]
+    e8_lengths: tuple[int, int]
+    hf_batch_size: int | None  # hf_generate's padded batch on e8 (None: all requests in one)
+    hf_cb_config: dict | None  # ContinuousBatchingConfig fields for hf_generate_batch (None: its defaults)
+
+
+CUDA_SIZES = Sizes(
+    dtype="bfloat16", model="qwen3-0.6b", large_model="qwen3-4b", attention="triton",
+    e1_prompt_lens=(128, 512, 2048), e1_batch=4, e1_new_tokens=128,
+    e2_batches=(1, 4, 16, 64, 256), e2_prompt_len=128, e2_new_tokens=64,
+    e4_requests=64, e4_prompt_lens=(128, 256, 512, 1024, 2048), e4_new_tokens=128, e4_rate=1.0,
+    e5_fractions=(1.0, 0.8, 0.6, 0.4, 0.2), e5_requests=64, e5_prompt_range=(128, 512), e5_new_tokens=128,
+    e6_block_sizes=(8, 16, 32, 64, 128, 256), e6_requests=32, e6_prompt_range=(256, 1024), e6_new_tokens=64,
+    e7_requests=16, e7_prompt_len=512, e7_new_tokens=32,
+    e8_requests=256, e8_lengths=(100, 1024),
+    # One padded batch of 256 costs about as many steps as one of 64 (the longest output sets both).
+    hf_batch_size=None, hf_cb_config=None,
+)
+CPU_SIZES = Sizes(
+    dtype="float32", model=TINY, large_model=TINY, attention="paged",
+    e1_prompt_lens=(16, 64), e1_batch=4, e1_new_tokens=8,
+    e2_batches=(1, 4, 16), e2_prompt_len=16, e2_new_tokens=8,
+    e4_requests=16, e4_prompt_lens=(8, 16, 32, 64), e4_new_tokens=8, e4_rate=1.0,
+    e5_fractions=CUDA_SIZES.e5_fractions, e5_requests=8, e5_prompt_range=(16, 48), e5_new_tokens=16,
+    e6_block_sizes=CUDA_SIZES.e6_block_sizes, e6_requests=8, e6_prompt_range=(16, 48), e6_new_tokens=8,
+    e7_requests=4, e7_prompt_len=16, e7_new_tokens=4,
+    e8_requests=8, e8_lengths=(4, 32),
+    hf_batch_size=None, hf_cb_config=dict(num_blocks=16, max_batch_tokens=256),  # its defaults take the RAM
+)
+SIZES = CUDA_SIZES if HAS_CUDA else CPU_SIZES
+
+
+def build_model(name: str, dtype: str, device: torch.device, logit_gain: float) -> PreTrainedModel:
+    """A random-weight HF model: the tiny Llama here, or one of weft's named shapes.
+
+    `logit_gain` scales the final norm, hence the logits: a peakier model has no near-ties
+    for greedy decoding to flip on when the same math is summed in another order.
+    """
+    if name == TINY:
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+        )
+        model = LlamaForCausalLM(config).to(device=device, dtype=DTYPES[dtype]).eval()
+    else:
+        model = weft.LLM(name, dtype=dtype, device=device, num_blocks=1).hf_model()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(logit_gain)
+    return model
+
+
+# ---- storage, xdist and progress -------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Store every perf run under results/ unless told otherwise.
+
+    Takes effect when this file is an initial conftest (`pytest tests/perf ...`); pytest-benchmark
+    reads these options when it configures itself, before later conftests load.
+    """
+    given = " ".join(config.invocation_params.args)
+    if "--benchmark-storage" not in given:
+        config.option.benchmark_storage = f"file://{ROOT / 'results' / ('' if HAS_CUDA else 'cpu')}"
+    if not any(flag in given for flag in ("--benchmark-save", "--benchmark-autosave", "--benchmark-json")):
+        config.option.benchmark_save = f"{git_sha()[:12]}_{'cuda' if HAS_CUDA else 'cpu'}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    skip = pytest.mark.skip(reason="perf benchmarks do not run under xdist (-n): run them in one process")
+    for item in items:
+        if "perf" in item.keywords:
+            item.add_marker(skip)
+
+
+def _progress(config: pytest.Config, line: str) -> None:
+    """One line per finished benchmark, printed as it happens (runs are long)."""
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if terminal is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        terminal.ensure_newline()
+        terminal.write_line(line)
+
+
+# ---- fixtures -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def sizes() -> Sizes:
+    return SIZES
+
+
+@pytest.fixture(scope="session")
+def model_for(device: torch.device) -> Callable[..., PreTrainedModel]:
+    """get(name, dtype, logit_gain=1.0): models are built once per session and shared."""
+    cache: dict[tuple[str, str, float], PreTrainedModel] = {}
+
+    def get(name: str, dtype: str, logit_gain: float = 1.0) -> PreTrainedModel:
+        key = (name, dtype, logit_gain)
+        if key not in cache:
+            cache[key] = build_model(name, dtype, device, logit_gain)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(params=SIZES.e1_prompt_lens, ids=lambda s: f"S{s}")
+def e1_prompt_len(request: pytest.FixtureRequest) -> int:
+    return request.param
+
+
+@pytest.fixture(params=SIZES.e2_batches, ids=lambda b: f"B{b}")
+def e2_batch(request: pytest.FixtureRequest) -> int:
+    return request.param
+
+
+@pytest.fixture(params=SIZES.e5_fractions, ids=lambda f: f"pool{f:g}")
+def e5_fraction(request: pytest.FixtureRequest) -> float:
+    return request.param
+
+
+@pytest.fixture(params=SIZES.e6_block_sizes, ids=lambda p: f"P{p}")
+def e6_block_size(request: pytest.FixtureRequest) -> int:
+    return request.param
+
+
+@pytest.fixture
+def run_benchmark(
+    benchmark, request: pytest.FixtureRequest, device: torch.device, model_for
+) -> Callable[..., Served]:
+    """run(experiment, config, workload, *, model, dtype, logit_gain, profile, **extra) -> the timed run.
+
+    Builds the server, serves a short warm-up of the same prompts, then times one full run
+    (one round: a serving run is long) and records it in `benchmark.extra_info`.
+    """
+
+    def run(
+        experiment: str,
+        config: RunConfig,
+        workload: Workload,
+        *,
+        model: str,
+        dtype: str = SIZES.dtype,
+        logit_gain: float = 1.0,
+        profile: bool = False,
+        **extra: object,
+    ) -> Served:
+        if config.engine == "weft" and config.attention not in available_backends(device):
+            pytest.skip(f"{config.attention} attention does not serve on {device.type}")
+        cb_config = ContinuousBatchingConfig(**SIZES.hf_cb_config) if SIZES.hf_cb_config else None
+        hf = model_for(model, dtype, logit_gain)
+        other_bytes = unrelated_bytes(config, hf, device)
+        server = make_server(config, hf, workload, dtype, device, cb_config)
+
+        def timed(server: Server) -> tuple[Served, list[dict] | None]:
+            if profile:
+                return top_ops(lambda: server.serve(workload), device, ticks=lambda s: s.steps or 1)
+            return server.serve(workload), None
+
+        try:
+            server.serve(workload.with_max_tokens(WARMUP_TOKENS))
+            served, ops = benchmark.pedantic(timed, args=(server,), rounds=1, iterations=1, warmup_rounds=0)
+            if ops is not None:
+                extra = {**extra, "profiled": True, "top_ops": ops}
+            info = record(experiment, config, server, served, workload, model, dtype, device, other_bytes)
+        finally:
+            server.close()
+            del server
+            release(device)
+        benchmark.extra_info.update(info | extra)
+        _progress(
+            request.config,
+            f"  {experiment} {config.label}: makespan {info['makespan_s']:.2f} s, "
+            f"{info['output_tok_s']:.0f} out tok/s, TTFT p50 {info['ttft_p50_s'] or float('nan'):.3f} s",
+        )
+        return served
+
+    return run

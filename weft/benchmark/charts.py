@@ -1,0 +1,128 @@
+"""One chart per experiment: seaborn on matplotlib's Agg canvas (no display, no pyplot state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import seaborn as sns
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+MS = 1e3
+
+
+def _figure(panels: int) -> tuple[Figure, list[Axes]]:
+    fig = Figure(figsize=(5.5 * panels, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, list(fig.subplots(1, panels, squeeze=False)[0])
+
+
+def _lines(ax: Axes, df: pd.DataFrame, x: str, y: str, hue: str, ylabel: str, style: str | None = None) -> None:
+    sns.lineplot(data=df, x=x, y=y, hue=hue, style=style or hue, markers=True, dashes=False, ax=ax)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(df[x].unique()), labels=[f"{v:g}" for v in sorted(df[x].unique())])
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+
+
+def _bars(ax: Axes, df: pd.DataFrame, y: str, ylabel: str) -> None:
+    sns.barplot(data=df, x="config", y=y, hue="config", ax=ax)
+    ax.set_xlabel("")
+    ax.set_ylabel(ylabel)
+    ax.tick_params(axis="x", labelrotation=20)
+
+
+def _with_ms(df: pd.DataFrame) -> pd.DataFrame:
+    return df.assign(itl_p50_ms=df["itl_p50_s"] * MS, ttft_p50_ms=df["ttft_p50_s"] * MS)
+
+
+def e1(df: pd.DataFrame) -> Figure:
+    fig, (itl, tput) = _figure(2)
+    df = _with_ms(df)
+    _lines(itl, df, "S", "itl_p50_ms", "config", "ITL p50 (ms)")
+    _lines(tput, df, "S", "output_tok_s", "config", "output tokens/s")
+    for ax in (itl, tput):
+        ax.set_xlabel("prompt length S (tokens)")
+    return fig
+
+
+def e2(df: pd.DataFrame) -> Figure:
+    fig, (tput, itl) = _figure(2)
+    df = _with_ms(df)
+    _lines(tput, df, "B", "output_tok_s", "config", "output tokens/s")
+    _lines(itl, df, "B", "itl_p50_ms", "config", "ITL p50 (ms)")
+    for ax in (tput, itl):
+        ax.set_xlabel("batch B (requests)")
+    return fig
+
+
+def e3(df: pd.DataFrame) -> Figure:
+    batches = sorted(df["B"].unique())
+    fig, axes = _figure(len(batches))
+    for ax, B in zip(axes, batches, strict=True):
+        part = df[df["B"] == B].assign(P=lambda d: "P=" + d["P"].astype(str))
+        _lines(ax, part, "S", "gbps", "attention", "GB/s (K/V bytes read)", style="P")
+        if "copy_gbps" in part and part["copy_gbps"].notna().any():
+            ax.axhline(part["copy_gbps"].max(), color="gray", linestyle="--", label="device copy")
+            ax.legend(fontsize="small")
+        ax.set_title(f"B = {B}")
+        ax.set_xlabel("context S (tokens)")
+    return fig
+
+
+def _stream(df: pd.DataFrame) -> Figure:
+    """The scheduler × backend comparisons (e4, e8): latency and throughput side by side."""
+    fig, (ttft, itl, span, tput) = _figure(4)
+    df = _with_ms(df)
+    _bars(ttft, df, "ttft_p50_ms", "TTFT p50 (ms)")
+    _bars(itl, df, "itl_p50_ms", "ITL p50 (ms)")
+    _bars(span, df, "makespan_s", "makespan (s)")
+    _bars(tput, df, "output_tok_s", "output tokens/s")
+    return fig
+
+
+def e5(df: pd.DataFrame) -> Figure:
+    fig, (tput, redo) = _figure(2)
+    df = df.assign(recompute_pct=100 * df["recomputed_tokens"] / (df["input_tokens"] + df["output_tokens"]))
+    for ax, y, label in ((tput, "output_tok_s", "output tokens/s"), (redo, "recompute_pct", "recomputed tokens (%)")):
+        sns.lineplot(data=df, x="pool_fraction", y=y, hue="config", markers=True, style="config", ax=ax)
+        ax.set_xlabel("pool (fraction of what holds every request)")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.invert_xaxis()
+    return fig
+
+
+def e6(df: pd.DataFrame) -> Figure:
+    fig, (tput, itl) = _figure(2)
+    df = _with_ms(df)
+    _lines(tput, df, "block_size", "output_tok_s", "attention", "output tokens/s")
+    _lines(itl, df, "block_size", "itl_p50_ms", "attention", "ITL p50 (ms)")
+    for ax in (tput, itl):
+        ax.set_xlabel("block size P (tokens)")
+    return fig
+
+
+def e7(df: pd.DataFrame) -> Figure:
+    fig, axes = _figure(len(df))
+    for ax, (_, row) in zip(axes, df.iterrows(), strict=True):
+        ops = pd.DataFrame(row["top_ops"])
+        sns.barplot(data=ops, y="op", x="self_ms_per_tick", ax=ax, color="steelblue")
+        ax.set_title(row["config"])
+        ax.set_xlabel("self time per tick (ms)")
+        ax.set_ylabel("")
+    return fig
+
+
+CHARTS: dict[str, Callable[[pd.DataFrame], Figure]] = {
+    "e1": e1, "e2": e2, "e3": e3, "e4": _stream, "e5": e5, "e6": e6, "e7": e7, "e8": _stream,
+}
+
+
+def draw(experiment: str, df: pd.DataFrame, title: str, path: Path) -> None:
+    fig = CHARTS[experiment](df)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,176 @@
+"""Stored perf runs (pytest-benchmark JSON) as tables, and the rules for what may be shown together.
+
+A report is about one machine and one commit: runs of that commit on that machine are
+merged (a matrix may be run in several sessions; a benchmark run twice keeps its latest
+record), and at most one other commit of the same machine may come along as the baseline
+of a comparison. Anything else is refused with a `ReportError`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+EXPERIMENTS = {
+    "e1": "backend sweep",
+    "e2": "batch sweep",
+    "e3": "decode kernel bandwidth",
+    "e3_prefill": "prefill kernel",
+    "e4": "arrival stream",
+    "e5": "pool-size sweep",
+    "e6": "block-size sweep",
+    "e7": "per-tick profile",
+    "e8": "standard workload",
+}
+IDENTITY = ("experiment", "gpu", "git_sha")  # what every record must say about itself
+
+
+class ReportError(Exception):
+    """Input the report cannot use; the message says why (no traceback for the user)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    path: Path
+    datetime: str  # when pytest-benchmark saved it (ISO 8601, so it sorts)
+    gpu: str
+    git_sha: str
+    records: pd.DataFrame  # one row per benchmark: `name`, `run`, then its extra_info
+
+    @property
+    def label(self) -> str:
+        return self.path.stem
+
+
+def load_run(path: Path) -> Run:
+    try:
+        data = json.loads(path.read_text())
+        benchmarks, when = data["benchmarks"], data["datetime"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ReportError(f"{path}: not a pytest-benchmark run ({type(e).__name__}: {e})") from None
+    rows = [{"name": b["name"], "run": path.stem, **b.get("extra_info", {})} for b in benchmarks]
+    if not rows:
+        raise ReportError(f"{path}: the run holds no benchmarks")
+    records = pd.DataFrame(rows)
+    missing = [k for k in IDENTITY if k not in records or records[k].isna().any()]
+    if missing:
+        raise ReportError(f"{path}: records without {', '.join(missing)}: not a weft perf run")
+    for key in ("gpu", "git_sha"):
+        if records[key].nunique() > 1:
+            raise ReportError(f"{path}: one run with several values of {key}: {sorted(records[key].unique())}")
+    return Run(path, when, records["gpu"].iloc[0], records["git_sha"].iloc[0], records)
+
+
+def find_runs(folder: Path) -> list[Path]:
+    """Every stored run under `folder` (pytest-benchmark keeps them in per-machine subfolders)."""
+    return sorted(p for p in folder.rglob("*.json") if p.is_file()) if folder.is_dir() else []
+
+
+def load_stored(folder: Path) -> tuple[list[Run], list[ReportError]]:
+    """Every run stored under `folder`, and why each other JSON file there is not one."""
+    runs, unreadable = [], []
+    for path in find_runs(folder):
+        try:
+            runs.append(load_run(path))
+        except ReportError as e:
+            unreadable.append(e)
+    if not runs:
+        raise ReportError(f"no stored runs under {folder}: run `uv run pytest tests/perf -m perf` first")
+    return runs, unreadable
+
+
+def resolve(names: list[str], folder: Path) -> list[Path]:
+    """Each name is a JSON path, or a run's number or file name as pytest-benchmark saved it."""
+    stored = find_runs(folder)
+    paths = []
+    for name in names:
+        if Path(name).is_file():
+            paths.append(Path(name))
+            continue
+        matches = [p for p in stored if p.stem == name or p.stem.split("_")[0] == name]
+        if len(matches) != 1:
+            found = "no run" if not matches else f"{len(matches)} runs"
+            raise ReportError(f"{name!r}: {found} of that name in {folder} (give a path, or a number like 0001)")
+        paths.append(matches[0])
+    return paths
+
+
+@dataclass
+class Selection:
+    """The runs a report shows: the subject commit's, and possibly a baseline commit's."""
+
+    subject: list[Run]
+    baseline: list[Run] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what was merged, superseded or left out
+
+    @property
+    def gpu(self) -> str:
+        return self.subject[0].gpu
+
+    @property
+    def git_sha(self) -> str:
+        return self.subject[0].git_sha
+
+    def records(self, baseline: bool = False) -> pd.DataFrame:
+        """One row per benchmark name: the latest run's record wins."""
+        runs = sorted(self.baseline if baseline else self.subject, key=lambda r: r.datetime)
+        if not runs:
+            return pd.DataFrame()
+        frame = pd.concat([r.records for r in runs], ignore_index=True)
+        return frame.drop_duplicates("name", keep="last").reset_index(drop=True)
+
+
+def select(runs: list[Run], explicit: bool, baseline: list[Run] | None = None) -> Selection:
+    """Which runs a report shows, and against which it compares them.
+
+    Explicit runs must share one machine and span at most two commits: the newer commit is
+    the subject, the older its baseline. An explicit `baseline` (same machine, any commit,
+    e.g. an earlier run of the same dirty tree) makes all of `runs` the subject, which must
+    then be one commit. Without explicit runs (`explicit=False`, every stored run): the
+    newest run's machine and commit, and nothing else.
+    """
+    if not runs:
+        raise ReportError("no runs to report on: run `pytest tests/perf -m perf` first, or name a run")
+    runs = sorted(runs, key=lambda r: r.datetime)
+    baseline = sorted(baseline or [], key=lambda r: r.datetime)
+    newest = runs[-1]
+    notes = []
+    if not explicit:
+        others = [r for r in runs if (r.gpu, r.git_sha) != (newest.gpu, newest.git_sha)]
+        if others:
+            notes.append(f"left out {len(others)} stored run(s) of other machines or commits")
+        runs = [r for r in runs if r not in others]
+    everything = runs + baseline
+    machines = sorted({r.gpu for r in everything})
+    if len(machines) > 1:
+        listing = "; ".join(f"{m}: {', '.join(r.label for r in everything if r.gpu == m)}" for m in machines)
+        raise ReportError(f"the runs come from different machines ({listing}): name runs of one machine")
+    commits = list(dict.fromkeys(r.git_sha for r in reversed(runs)))  # newest first
+    if len(commits) > (1 if baseline else 2):
+        wanted = "one (the baseline is given)" if baseline else "at most two"
+        raise ReportError(f"the runs span {len(commits)} commits ({', '.join(commits)}): name runs of {wanted}")
+    if not baseline:
+        baseline = [r for r in runs if r.git_sha != commits[0]]
+        runs = [r for r in runs if r.git_sha == commits[0]]
+    for group in (runs, baseline):
+        if len(group) > 1:
+            notes.append(f"merged runs {', '.join(r.label for r in group)} (commit {group[0].git_sha}):"
+                         " a benchmark present in several keeps its latest record")
+    return Selection(runs, baseline, notes)
+
+
+def restrict(frame: pd.DataFrame, column: str, wanted: list[str] | None) -> pd.DataFrame:
+    """Rows whose `column` is one of `wanted` (all rows for None); unknown names are a ReportError."""
+    if not wanted:
+        return frame
+    present = set(frame[column].dropna()) if column in frame else set()
+    known = present | (set(EXPERIMENTS) if column == "experiment" else set())
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        raise ReportError(
+            f"unknown {column} {', '.join(map(repr, unknown))}: the runs have {', '.join(sorted(present)) or 'none'}"
+        )
+    return frame[frame[column].isin(wanted)]

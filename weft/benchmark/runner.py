@@ -1,0 +1,207 @@
+"""Run one configuration on one workload and turn the result into a benchmark record.
+
+A `Server` is built once per configuration (so its warm-up and its timed run share weights,
+pool and compiled kernels), serves workloads, and describes itself for the record.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+from transformers.generation import ContinuousBatchingConfig
+
+import weft
+from weft.attention import available_backends
+from weft.benchmark.environment import device_name, git_sha
+from weft.benchmark.hf_baselines import HFContinuousBatching, HFGenerate
+from weft.benchmark.metrics import Served, measure
+from weft.benchmark.workloads import Workload
+from weft.inference.scheduler import SCHEDULERS
+
+ENGINES = ("weft", "hf_generate", "hf_generate_batch")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What to serve with. Scheduler, attention and pool settings apply to weft only."""
+
+    engine: str = "weft"
+    scheduler: str = "continuous"
+    attention: str = "paged"
+    block_size: int = 16
+    pool_fraction: float = 1.0  # paged/triton pool, as a fraction of what holds every request at once
+    max_num_seqs: int | None = None  # None: every request of the workload may run at once
+    hf_batch_size: int | None = None  # hf_generate: requests per padded batch; None: all in one
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}: choose from {', '.join(ENGINES)}")
+        if self.engine == "weft":
+            if self.scheduler not in SCHEDULERS:
+                raise ValueError(f"unknown scheduler {self.scheduler!r}: choose from {', '.join(SCHEDULERS)}")
+            backends = available_backends()
+            if self.attention not in backends:
+                raise ValueError(f"unknown attention {self.attention!r}: choose from {', '.join(backends)}")
+        if not 0 < self.pool_fraction <= 1:
+            raise ValueError(f"pool_fraction must be in (0, 1], got {self.pool_fraction}")
+
+    @property
+    def label(self) -> str:
+        """'continuous×triton' for weft, the engine name for the HF baselines."""
+        return f"{self.scheduler}×{self.attention}" if self.engine == "weft" else self.engine
+
+    @property
+    def id(self) -> str:
+        """The label as a pytest id (ASCII)."""
+        return self.label.replace("×", "-")
+
+
+class Server(Protocol):
+    def serve(self, workload: Workload) -> Served: ...
+
+    def describe(self) -> dict[str, object]:
+        """engine, scheduler, attention, pool_blocks, block_size and engine-specific settings."""
+        ...
+
+    def close(self) -> None:
+        """Free what the server holds (pool, cache, threads)."""
+        ...
+
+
+def greedy(max_tokens: int) -> weft.SamplingParams:
+    """Benchmarks decode greedily and never stop early, so every engine does the same work."""
+    return weft.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+class WeftServer:
+    """A `weft.LLM` whose pool is sized for `workload`: every request fits at once at pool_fraction 1."""
+
+    def __init__(
+        self, model: PreTrainedModel, config: RunConfig, workload: Workload, dtype: str, device: torch.device
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.max_num_seqs = config.max_num_seqs or len(workload)
+        # The token budget never limits admission: batches are bounded by max_num_seqs and the pool,
+        # so the static scheduler forms the batches it is meant to (it cannot split a prefill).
+        self.max_num_batched_tokens = workload.input_tokens
+        if config.attention == "contiguous":
+            num_blocks = self.max_num_seqs  # rows of S_max = max_model_len slots
+        else:
+            P = config.block_size
+            shrunk = math.ceil(workload.blocks_needed(P) * config.pool_fraction)
+            num_blocks = max(shrunk, workload.largest_request_blocks(P))
+        self.llm = weft.LLM(
+            model,
+            attention=config.attention,
+            scheduler=config.scheduler,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=workload.max_len,
+            dtype=dtype,
+            device=device,
+        )
+
+    def serve(self, workload: Workload) -> Served:
+        params = [greedy(r.max_tokens) for r in workload.requests]
+        with measure(self.device) as window:
+            outputs = self.llm.generate(workload.prompts, params, arrivals=workload.arrivals)
+        stats = self.llm.stats
+        return Served(outputs, window, stats.num_preemptions, stats.recomputed_tokens, stats.steps)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "engine": "weft",
+            "scheduler": self.config.scheduler,
+            "attention": self.config.attention,
+            "pool_blocks": self.llm.num_blocks,
+            "block_size": self.llm.block_size,
+            "pool_fraction": self.config.pool_fraction,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
+
+    def close(self) -> None:
+        del self.llm
+
+
+def make_server(
+    config: RunConfig,
+    model: PreTrainedModel,
+    workload: Workload,
+    dtype: str,
+    device: torch.device,
+    hf_cb_config: ContinuousBatchingConfig | None = None,
+) -> Server:
+    """`hf_cb_config` sizes hf_generate_batch's cache (None: transformers' defaults)."""
+    if config.engine == "weft":
+        return WeftServer(model, config, workload, dtype, device)
+    if config.engine == "hf_generate":
+        return HFGenerate(model, config.hf_batch_size, device)
+    return HFContinuousBatching(model, workload, device, hf_cb_config)
+
+
+def release(device: torch.device) -> None:
+    """Give the finished server's memory back before the next configuration allocates its own."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def unrelated_bytes(config: RunConfig, model: PreTrainedModel, device: torch.device) -> int:
+    """Device memory held now that a run of `config` on `model` must not be charged for.
+
+    Taken before the server is built. The HF baselines serve from `model` itself, so its
+    weights are theirs; weft copies them into its own model, allocated after this point,
+    so everything held now (the session's models) is someone else's.
+    """
+    if device.type != "cuda":
+        return 0
+    held = torch.cuda.memory_allocated(device)
+    if config.engine == "weft":
+        return held
+    return held - sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def record(
+    experiment: str,
+    config: RunConfig,
+    server: Server,
+    served: Served,
+    workload: Workload,
+    model: str,
+    dtype: str,
+    device: torch.device,
+    other_bytes: int = 0,
+) -> dict[str, object]:
+    """Everything `benchmark.extra_info` holds about one run (callers add experiment-specific keys).
+
+    The peak memory is charged to the run alone (its weights, pool or cache, activations):
+    `other_bytes`, what the process held for other things (see `unrelated_bytes`), comes off.
+    """
+    metrics = served.metrics().as_record()
+    if metrics["peak_mem_bytes"] is not None:
+        metrics["peak_mem_bytes"] -= other_bytes
+    return {
+        "experiment": experiment,
+        "config": config.label,
+        **server.describe(),
+        "model": model,
+        "dtype": dtype,
+        "gpu": device_name(device),
+        "git_sha": git_sha(),
+        "workload": workload.name,
+        **metrics,
+        "steps": served.steps,
+        # requests that got fewer tokens than asked for (a baseline that failed or stopped early)
+        "incomplete_requests": sum(
+            len(o.token_ids) < r.max_tokens for o, r in zip(served.outputs, workload.requests, strict=True)
+        ),
+    }

@@ -1,0 +1,140 @@
+"""Workloads: seeded synthetic requests (random token ids), arrival ticks and length mixes.
+
+Everything is drawn from `random.Random(seed)`, so a workload is the same on every machine
+and Python version; token ids are uniform in [0, V) because no tokenizer is involved.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+STANDARD_REQUESTS = 256
+STANDARD_LENGTHS = (100, 1024)  # prompt and output lengths are each uniform in this range
+STANDARD_SEED = 0
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int  # generated with ignore_eos, so exactly this many
+    arrival_tick: int = 0  # engine step at which the request joins the queue
+
+    @property
+    def max_len(self) -> int:
+        """Prompt plus output: the longest the sequence grows."""
+        return len(self.prompt_token_ids) + self.max_tokens
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: tuple[Request, ...]
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [list(r.prompt_token_ids) for r in self.requests]
+
+    @property
+    def arrivals(self) -> list[int]:
+        return [r.arrival_tick for r in self.requests]
+
+    @property
+    def offline(self) -> bool:
+        """Every request is there at tick 0 (what a batch API such as HF `generate` can serve)."""
+        return all(r.arrival_tick == 0 for r in self.requests)
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.max_tokens for r in self.requests)
+
+    @property
+    def max_len(self) -> int:
+        return max(r.max_len for r in self.requests)
+
+    def blocks_needed(self, block_size: int) -> int:
+        """Blocks of `block_size` tokens for every request to be resident at once (the full pool).
+
+        A request caches every token but its last generated one.
+        """
+        return sum(math.ceil((r.max_len - 1) / block_size) for r in self.requests)
+
+    def largest_request_blocks(self, block_size: int) -> int:
+        """The smallest pool that can still run every request (one at a time)."""
+        return max(math.ceil((r.max_len - 1) / block_size) for r in self.requests)
+
+    def with_max_tokens(self, max_tokens: int) -> Workload:
+        """Same prompts and arrivals, at most `max_tokens` each: a cheap warm-up with the same shapes."""
+        requests = tuple(replace(r, max_tokens=min(r.max_tokens, max_tokens)) for r in self.requests)
+        return Workload(f"{self.name}-warmup", requests)
+
+
+def random_prompts(lengths: Sequence[int], vocab_size: int, rng: random.Random) -> list[tuple[int, ...]]:
+    return [tuple(rng.randrange(vocab_size) for _ in range(n)) for n in lengths]
+
+
+def poisson_ticks(n: int, rate: float, rng: random.Random) -> list[int]:
+    """Arrival ticks of a Poisson process with `rate` requests per engine tick; the first is at 0."""
+    if rate <= 0:
+        raise ValueError(f"arrival rate must be > 0 requests per tick, got {rate}")
+    t, ticks = 0.0, [0]
+    for _ in range(n - 1):
+        t += rng.expovariate(rate)
+        ticks.append(int(t))
+    return ticks
+
+
+def fixed(batch: int, prompt_len: int, max_tokens: int, vocab_size: int, seed: int = 0) -> Workload:
+    """`batch` requests of one prompt length, all at tick 0."""
+    rng = random.Random(seed)
+    prompts = random_prompts([prompt_len] * batch, vocab_size, rng)
+    requests = tuple(Request(p, max_tokens) for p in prompts)
+    return Workload(f"fixed-B{batch}-S{prompt_len}-new{max_tokens}", requests)
+
+
+def uniform(
+    n: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    vocab_size: int,
+    seed: int,
+    name: str,
+) -> Workload:
+    """`n` requests at tick 0 whose prompt and output lengths are uniform in the given closed ranges."""
+    rng = random.Random(seed)
+    prompt_lens = [rng.randint(*prompt_range) for _ in range(n)]
+    max_tokens = [rng.randint(*output_range) for _ in range(n)]
+    prompts = random_prompts(prompt_lens, vocab_size, rng)
+    return Workload(name, tuple(Request(p, m) for p, m in zip(prompts, max_tokens, strict=True)))
+
+
+def standard(
+    vocab_size: int, n: int = STANDARD_REQUESTS, lengths: tuple[int, int] = STANDARD_LENGTHS
+) -> Workload:
+    """The standard serving workload: 256 requests, seed 0, prompt and output lengths each U[100, 1024].
+
+    `n` and `lengths` only shrink it for the CPU, where the suite runs at toy sizes.
+    """
+    name = f"standard-{n}x{lengths[0]}-{lengths[1]}"
+    return uniform(n, lengths, lengths, vocab_size, STANDARD_SEED, name)
+
+
+def arrival_stream(
+    n: int, prompt_lengths: Sequence[int], max_tokens: int, rate: float, vocab_size: int, seed: int = 0
+) -> Workload:
+    """`n` requests, prompt lengths drawn from the mix `prompt_lengths`, arriving as a Poisson stream."""
+    rng = random.Random(seed)
+    lengths = [rng.choice(prompt_lengths) for _ in range(n)]
+    prompts = random_prompts(lengths, vocab_size, rng)
+    ticks = poisson_ticks(n, rate, rng)
+    requests = tuple(Request(p, max_tokens, t) for p, t in zip(prompts, ticks, strict=True))
+    return Workload(f"stream-{n}-rate{rate:g}", requests)

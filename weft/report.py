@@ -1,0 +1,229 @@
+"""`python -m weft.report [RUN ...]`: charts and a markdown summary of stored perf runs.
+
+RUN is a JSON path, or a stored run's number (0001) or file name. Without RUN: the newest
+stored run, merged with the other runs of its machine and commit (a matrix run in several
+sessions). Runs of two commits of one machine: the newer is reported and compared with the
+older in a ratio table; `--baseline RUN...` names the runs to compare against explicitly
+(say, an earlier run of the same uncommitted tree). Runs of several machines are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+
+from weft.benchmark import charts
+from weft.benchmark.claims import claims
+from weft.benchmark.results import (
+    EXPERIMENTS,
+    ReportError,
+    Selection,
+    load_run,
+    load_stored,
+    resolve,
+    restrict,
+    select,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _s(v: float) -> str:
+    return f"{v:.3g}"
+
+
+def _ms(v: float) -> str:
+    return f"{v * 1e3:.3g}"
+
+
+def _rate(v: float) -> str:
+    return f"{v:,.0f}"
+
+
+def _gb(v: float) -> str:
+    return f"{v / 1e9:.1f}"
+
+
+# column -> (header, format); a table shows the columns of its experiment that the records have
+COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
+    "ttft_p50_s": ("TTFT p50 (s)", _s), "ttft_p90_s": ("TTFT p90 (s)", _s), "ttft_p99_s": ("TTFT p99 (s)", _s),
+    "itl_p50_s": ("ITL p50 (ms)", _ms), "itl_p99_s": ("ITL p99 (ms)", _ms),
+    "e2e_p50_s": ("e2e p50 (s)", _s), "makespan_s": ("makespan (s)", _s),
+    "input_tok_s": ("input tok/s", _rate), "output_tok_s": ("output tok/s", _rate),
+    "peak_mem_bytes": ("peak mem (GB)", _gb), "preemptions": ("preemptions", _rate),
+    "recomputed_tokens": ("recomputed tokens", _rate), "incomplete_requests": ("incomplete requests", _rate),
+    "gbps": ("GB/s", _rate), "pct_of_copy": ("% of copy", _rate), "time_s": ("time (ms)", _ms),
+    "ratio_vs_sdpa": ("time ÷ SDPA", _s), "tflops": ("TFLOP/s", _s), "sdpa_tflops": ("SDPA TFLOP/s", _s),
+}
+TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns, metric columns)
+    "e1": (["config", "S"], ["ttft_p50_s", "itl_p50_s", "output_tok_s", "peak_mem_bytes"]),
+    "e2": (["config", "B"], ["ttft_p50_s", "itl_p50_s", "output_tok_s", "peak_mem_bytes"]),
+    "e3_prefill": (["B", "T", "P"], ["time_s", "ratio_vs_sdpa", "tflops", "sdpa_tflops"]),
+    "e4": (["config"], ["ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "e2e_p50_s", "makespan_s",
+                        "output_tok_s", "preemptions"]),
+    "e5": (["config", "pool_fraction", "pool_blocks"], ["output_tok_s", "makespan_s", "preemptions",
+                                                        "recomputed_tokens", "ttft_p50_s", "itl_p50_s"]),
+    "e6": (["attention", "block_size"], ["output_tok_s", "ttft_p50_s", "itl_p50_s", "peak_mem_bytes"]),
+    "e7": (["config", "steps"], ["itl_p50_s"]),
+    "e8": (["config"], ["ttft_p50_s", "itl_p50_s", "e2e_p50_s", "makespan_s", "input_tok_s", "output_tok_s",
+                        "peak_mem_bytes", "incomplete_requests"]),
+}
+COMPARED = ["output_tok_s", "makespan_s", "ttft_p50_s", "itl_p50_s", "gbps", "time_s"]
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _cell(column: str, value: object) -> str:
+    if value is None or (isinstance(value, float) and pd.isna(value)):
+        return "–"
+    if column in COLUMNS and isinstance(value, int | float):
+        return COLUMNS[column][1](value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def bandwidth_table(df: pd.DataFrame) -> str:
+    """e3: one row per shape, one column per backend: GB/s (and % of the copy bandwidth)."""
+    backends = sorted(df["attention"].unique())
+    rows = []
+    for (B, P, S), shape in df.groupby(["B", "P", "S"]):
+        cells = {r.attention: f"{r.gbps:,.0f}" + (f" ({r.pct_of_copy:.0f}%)" if pd.notna(r.pct_of_copy) else "")
+                 for r in shape.itertuples()}
+        rows.append([f"{B:g}", f"{P:g}", f"{S:g}"] + [cells.get(b, "–") for b in backends])
+    return markdown_table(["B", "P", "S"] + [f"{b} GB/s (% of copy)" for b in backends], rows)
+
+
+def experiment_table(experiment: str, df: pd.DataFrame) -> str:
+    if experiment == "e3":
+        return bandwidth_table(df)
+    keys, metrics = TABLES[experiment]
+    keys = [k for k in keys if k in df]
+    metrics = [m for m in metrics if m in df and df[m].notna().any()]
+    df = df.sort_values(keys)
+    header = keys + [COLUMNS[m][0] for m in metrics]
+    rows = [[_cell(c, getattr(r, c)) for c in keys + metrics] for r in df.itertuples()]
+    if experiment == "e7":
+        header.append("top ops (self ms per tick)")
+        for row, ops in zip(rows, df["top_ops"], strict=True):
+            row.append(", ".join(f"{o['op']} {o['self_ms_per_tick']:.2g}" for o in ops[:4]))
+    return markdown_table(header, rows)
+
+
+def ratio_table(subject: pd.DataFrame, baseline: pd.DataFrame) -> str:
+    joined = subject.merge(baseline, on="name", suffixes=("", "_base"))
+    rows = []
+    for r in joined.sort_values(["experiment", "name"]).to_dict("records"):
+        for m in COMPARED:
+            new, old = r.get(m), r.get(f"{m}_base")
+            if pd.notna(new) and pd.notna(old) and old:
+                rows.append([r["experiment"], r["name"], m, _cell(m, old), _cell(m, new), f"{new / old:.3g}"])
+    if not rows:
+        return "No benchmark appears in both commits."
+    return markdown_table(["experiment", "benchmark", "metric", "baseline", "this", "this ÷ baseline"], rows)
+
+
+def summary(selection: Selection, subject: pd.DataFrame, baseline: pd.DataFrame, drawn: list[str]) -> str:
+    runs = ", ".join(f"`{r.label}` ({r.datetime[:19]})" for r in selection.subject)
+    out = [
+        "# weft benchmark report",
+        "",
+        f"Machine **{selection.gpu}**, commit `{selection.git_sha}`; runs {runs}.",
+        "Written by `python -m weft.report`; every figure below comes from those runs' `extra_info`.",
+    ]
+    if selection.gpu == "cpu":
+        out += ["", "> CPU run: toy sizes on a tiny random model, to keep the suite alive. Never publish these."]
+    out += [f"- {note}" for note in selection.notes]
+    out += ["", "## The seed's claims, from this run", ""]
+    out.append(markdown_table(["claim", "seed (its authors' hardware)", "this run"],
+                              [[c.what, c.seed, c.measured] for c in claims(subject)]))
+    for experiment, title in EXPERIMENTS.items():
+        df = subject[subject["experiment"] == experiment]
+        if df.empty:
+            continue
+        out += ["", f"## {experiment}: {title}", ""]
+        if experiment in drawn:
+            out += [f"![{experiment}]({experiment}.png)", ""]
+        out.append(experiment_table(experiment, df))
+    missing = [e for e in EXPERIMENTS if e not in set(subject["experiment"])]
+    if missing:
+        out += ["", f"Not in these runs: {', '.join(missing)}."]
+    if not baseline.empty:
+        base = selection.baseline
+        out += ["", f"## This commit ÷ baseline commit `{base[0].git_sha}`",
+                f"Baseline runs: {', '.join(f'`{r.label}`' for r in base)}.", "",
+                ratio_table(subject, baseline)]
+    out += [
+        "", "## Comparing runs with pytest-benchmark", "",
+        "pytest-benchmark's own view of the same JSON: wall time of each benchmarked serving run",
+        "(one round each; the serving metrics above live in `extra_info`):", "",
+        "```",
+        "uv run pytest-benchmark --storage file://results compare 0001 0002 --group-by=name --columns=min",
+        "uv run python -m weft.report 0001 0002          # two commits: the newer, with a ratio table",
+        "uv run python -m weft.report 0002 --baseline 0001   # any two runs of one machine",
+        "```",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def report(
+    names: list[str],
+    baseline: list[str],
+    results: Path,
+    out: Path | None,
+    filters: dict[str, list[str] | None],
+) -> tuple[Path, list[Path]]:
+    """Loads, checks, filters, draws and writes; -> (README path, chart paths)."""
+    if names:
+        runs, unreadable = [load_run(p) for p in resolve(names, results)], []
+    else:
+        runs, unreadable = load_stored(results)
+    selection = select(runs, bool(names), [load_run(p) for p in resolve(baseline, results)])
+    selection.notes += [f"skipped {e}" for e in unreadable]
+    subject, baseline = selection.records(), selection.records(baseline=True)
+    for column, wanted in filters.items():
+        subject = restrict(subject, column, wanted)  # the ratio table joins the baseline on these names
+    if subject.empty:
+        raise ReportError("no records left after the filters")
+    out = out or (results / "cpu" if selection.gpu == "cpu" else results)
+    out.mkdir(parents=True, exist_ok=True)
+    charts_written = []
+    for experiment in charts.CHARTS:
+        df = subject[subject["experiment"] == experiment]
+        if df.empty:
+            continue
+        path = out / f"{experiment}.png"
+        charts.draw(experiment, df, f"{experiment}: {EXPERIMENTS[experiment]} — {selection.gpu}", path)
+        charts_written.append(path)
+    readme = out / "README.md"
+    readme.write_text(summary(selection, subject, baseline, [p.stem for p in charts_written]))
+    return readme, charts_written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m weft.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="*", metavar="RUN", help="JSON path, or stored run number / name")
+    parser.add_argument("--baseline", nargs="+", default=[], metavar="RUN", help="compare against these runs")
+    parser.add_argument("--results", type=Path, default=ROOT / "results", help="where runs are stored")
+    parser.add_argument("--out", type=Path, help="for charts and README.md (default: results/, CPU: results/cpu/)")
+    parser.add_argument("--experiment", nargs="+", help=f"only these: {', '.join(EXPERIMENTS)}")
+    parser.add_argument("--attention", nargs="+", help="only records of these backends (HF's: sdpa)")
+    parser.add_argument("--model", nargs="+", help="only records of these models")
+    args = parser.parse_args(argv)
+    filters = {"experiment": args.experiment, "attention": args.attention, "model": args.model}
+    try:
+        readme, written = report(args.runs, args.baseline, args.results, args.out, filters)
+    except ReportError as e:
+        print(f"weft.report: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {readme} and {len(written)} chart(s): {', '.join(p.name for p in written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
