@@ -108,9 +108,10 @@ def test_cpu_pool_fits_the_requests():
 
 
 def test_local_checkpoint_directory_matches_in_memory_model(tmp_path, device):
-    source = LLM("tiny-qwen3", device=device)
+    pool = dict(num_blocks=64, block_size=4)  # explicit: on CUDA a default pool takes most free memory
+    source = LLM("tiny-qwen3", device=device, **pool)
     source.hf_model().save_pretrained(tmp_path)
-    from_dir = LLM(str(tmp_path), device=device)
+    from_dir = LLM(str(tmp_path), device=device, **pool)
     prompts = [[4, 5, 6], [7]]
     assert [o.token_ids for o in from_dir.generate(prompts, GREEDY)] == [
         o.token_ids for o in source.generate(prompts, GREEDY)
