@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Off CUDA, Triton kernels run in its interpreter, which must be chosen before triton is first
+    # imported (transformers' model classes import it): here, before any test module loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest_plugins = ["weft.remote.pytest_plugin"]  # --modal, --modal-gpu
+
+ROOT = Path(__file__).resolve().parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Perf runs are stored under results/ (results/cpu/ off CUDA: never published) unless told otherwise."""
+    from weft.benchmark.environment import git_sha
+
+    given = " ".join(config.invocation_params.args)
+    cuda = HAS_CUDA or config.getoption("modal", False)  # --modal: measured on a Modal GPU (weft.remote)
+    if "--benchmark-storage" not in given:
+        config.option.benchmark_storage = f"file://{ROOT / 'results' / ('' if cuda else 'cpu')}"
+    if not any(flag in given for flag in ("--benchmark-save", "--benchmark-autosave", "--benchmark-json")):
+        config.option.benchmark_save = f"{git_sha()[:12]}_{'cuda' if cuda else 'cpu'}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

