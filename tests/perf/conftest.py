@@ -20,16 +20,16 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.generation import ContinuousBatchingConfig
 
-import weft
 from weft.attention import available_backends
 from weft.benchmark.metrics import Served
 from weft.benchmark.profiling import top_ops
 from weft.benchmark.runner import RunConfig, Server, make_server, record, release, unrelated_bytes
 from weft.benchmark.workloads import Workload
 from weft.inference.llm import DTYPES
+from weft.models.loader import load_model
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -137,25 +137,12 @@ SIZES = CUDA_SIZES if HAS_CUDA else CPU_SIZES
 
 
 def build_model(name: str, dtype: str, device: torch.device, logit_gain: float) -> PreTrainedModel:
-    """A random-weight HF model: the tiny Llama here, or one of weft's named shapes.
+    """A random-weight HF model of one of weft's named shapes (`tiny-llama` here on the CPU).
 
     `logit_gain` scales the final norm, hence the logits: a peakier model has no near-ties
     for greedy decoding to flip on when the same math is summed in another order.
     """
-    if name == TINY:
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            max_position_embeddings=512,
-        )
-        model = LlamaForCausalLM(config).to(device=device, dtype=DTYPES[dtype]).eval()
-    else:
-        model = weft.LLM(name, dtype=dtype, device=device, num_blocks=1).hf_model()
+    model = load_model(name, DTYPES[dtype], device).hf_model
     with torch.no_grad():
         model.model.norm.weight.mul_(logit_gain)
     return model
