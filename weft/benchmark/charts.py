@@ -39,24 +39,26 @@ def _with_ms(df: pd.DataFrame) -> pd.DataFrame:
     return df.assign(itl_p50_ms=df["itl_p50_s"] * MS, ttft_p50_ms=df["ttft_p50_s"] * MS)
 
 
-def e1(df: pd.DataFrame) -> Figure:
-    fig, (itl, tput) = _figure(2)
+ITL = ("itl_p50_ms", "ITL p50 (ms)")
+THROUGHPUT = ("output_tok_s", "output tokens/s")
+
+
+def _sweep(df: pd.DataFrame, x: str, xlabel: str, hue: str, panels: tuple[tuple[str, str], ...]) -> Figure:
+    """One panel per (metric, label), each a line per `hue` over `x`."""
+    fig, axes = _figure(len(panels))
     df = _with_ms(df)
-    _lines(itl, df, "S", "itl_p50_ms", "config", "ITL p50 (ms)")
-    _lines(tput, df, "S", "output_tok_s", "config", "output tokens/s")
-    for ax in (itl, tput):
-        ax.set_xlabel("prompt length S (tokens)")
+    for ax, (y, ylabel) in zip(axes, panels, strict=True):
+        _lines(ax, df, x, y, hue, ylabel)
+        ax.set_xlabel(xlabel)
     return fig
+
+
+def e1(df: pd.DataFrame) -> Figure:
+    return _sweep(df, "S", "prompt length S (tokens)", "config", (ITL, THROUGHPUT))
 
 
 def e2(df: pd.DataFrame) -> Figure:
-    fig, (tput, itl) = _figure(2)
-    df = _with_ms(df)
-    _lines(tput, df, "B", "output_tok_s", "config", "output tokens/s")
-    _lines(itl, df, "B", "itl_p50_ms", "config", "ITL p50 (ms)")
-    for ax in (tput, itl):
-        ax.set_xlabel("batch B (requests)")
-    return fig
+    return _sweep(df, "B", "batch B (requests)", "config", (THROUGHPUT, ITL))
 
 
 def e3(df: pd.DataFrame) -> Figure:
@@ -97,13 +99,7 @@ def e5(df: pd.DataFrame) -> Figure:
 
 
 def e6(df: pd.DataFrame) -> Figure:
-    fig, (tput, itl) = _figure(2)
-    df = _with_ms(df)
-    _lines(tput, df, "block_size", "output_tok_s", "attention", "output tokens/s")
-    _lines(itl, df, "block_size", "itl_p50_ms", "attention", "ITL p50 (ms)")
-    for ax in (tput, itl):
-        ax.set_xlabel("block size P (tokens)")
-    return fig
+    return _sweep(df, "block_size", "block size P (tokens)", "attention", (THROUGHPUT, ITL))
 
 
 def e7(df: pd.DataFrame) -> Figure:
@@ -118,7 +114,14 @@ def e7(df: pd.DataFrame) -> Figure:
 
 
 CHARTS: dict[str, Callable[[pd.DataFrame], Figure]] = {
-    "e1": e1, "e2": e2, "e3": e3, "e4": _stream, "e5": e5, "e6": e6, "e7": e7, "e8": _stream,
+    "e1": e1,
+    "e2": e2,
+    "e3": e3,
+    "e4": _stream,
+    "e5": e5,
+    "e6": e6,
+    "e7": e7,
+    "e8": _stream,
 }
 
 
