@@ -60,6 +60,10 @@ class Shapes:
     D: int
     dtype: torch.dtype
 
+    def record(self) -> dict:
+        """The shape fields every e3 record carries."""
+        return dict(H_q=self.H_q, H_kv=self.H_kv, D=self.D, dtype=str(self.dtype).removeprefix("torch."))
+
 
 GPU_SHAPES = Shapes(H_Q, H_KV, D, torch.bfloat16)
 CPU_SHAPES = Shapes(4, 2, 64, torch.float32)  # float32: the interpreter gets bf16 wrong
@@ -280,10 +284,7 @@ def test_e3_decode(benchmark, device, B, S, P, attention):
         S=S,
         B=B,
         P=P,
-        H_q=s.H_q,
-        H_kv=s.H_kv,
-        D=s.D,
-        dtype=str(s.dtype).removeprefix("torch."),
+        **s.record(),
         time_s=seconds,
         bytes=nbytes,
         gbps=gbps,
@@ -341,10 +342,7 @@ def test_e3_prefill(benchmark, device, B, T, P):
         B=B,
         T=T,
         P=P,
-        H_q=s.H_q,
-        H_kv=s.H_kv,
-        D=s.D,
-        dtype=str(s.dtype).removeprefix("torch."),
+        **s.record(),
         time_s=seconds,
         sdpa_time_s=sdpa_seconds,
         ratio_vs_sdpa=seconds / sdpa_seconds,
