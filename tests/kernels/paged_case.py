@@ -28,7 +28,7 @@ class PagedCase:
         q_lens = self.query_start_loc.diff()
         return AttentionMetadata(
             self.slot_mapping, self.query_start_loc, self.context_lens, self.block_tables,
-            int(q_lens.max()), int(self.context_lens.max()),
+            int(q_lens.max()), int(self.context_lens.max()), num_decodes=int(q_lens.eq(1).cumprod(0).sum()),
         )
 
 

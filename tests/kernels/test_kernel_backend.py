@@ -40,14 +40,14 @@ def backend_for(case: PagedCase) -> tuple[TritonBackend, torch.Tensor, torch.Ten
 def run_step(case: PagedCase) -> torch.Tensor:
     backend, k, v = backend_for(case)
     step = backend.prepare(case.meta())
-    assert (step.splits is not None) == step.meta.is_decode
+    assert (step.splits is not None) == (step.meta.num_decodes > 0)
     return backend.forward(LAYER, case.q, k, v, step)
 
 
 @pytest.mark.parametrize(
     ("q_lens", "context_lens"),
-    [([1, 1, 1], [1, 90, 33]), ([1, 30, 4], [50, 30, 4])],
-    ids=["decode", "mixed"],
+    [([1, 1, 1], [1, 90, 33]), ([1, 1, 30, 4, 1], [50, 9, 30, 4, 40])],
+    ids=["decode", "mixed"],  # mixed: two decodes, then prefills, one of them a single token
 )
 def test_forward_fp32(device, q_lens, context_lens):
     case = make_case(4, 2, 64, 16, q_lens, context_lens, torch.float32, device, 3)
@@ -128,6 +128,14 @@ def test_rejects_more_new_tokens_than_context(bad_case):
     meta = bad_case.meta()
     with pytest.raises(ValueError, match="new tokens"):
         backend.prepare(replace(meta, context_lens=meta.context_lens.clamp(max=2), max_context_len=2))
+
+
+@pytest.mark.parametrize("num_decodes", [2, -1, 3])
+def test_rejects_num_decodes_that_do_not_match(bad_case, num_decodes):
+    """bad_case has one decode, then a request with three new tokens."""
+    backend, _, _ = backend_for(bad_case)
+    with pytest.raises(ValueError, match="num_decodes"):
+        backend.prepare(replace(bad_case.meta(), num_decodes=num_decodes))
 
 
 def test_rejects_slot_out_of_range(bad_case):

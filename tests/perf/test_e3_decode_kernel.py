@@ -157,6 +157,7 @@ def decode_inputs(B: int, S: int, P: int, device: torch.device) -> DecodeInputs:
             block_tables=table,
             max_query_len=1,
             max_context_len=S,
+            num_decodes=B,
         )
         for table in tables
     ]
@@ -318,6 +319,7 @@ def test_e3_prefill(benchmark, device, B, T, P):
         block_tables=table,
         max_query_len=T,
         max_context_len=T,
+        num_decodes=0,
     )
     q, k, v = (torch.randn(B * T, h, s.D, dtype=s.dtype, device=device) for h in (s.H_q, s.H_kv, s.H_kv))
     step = attn.prepare(meta)

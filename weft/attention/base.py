@@ -23,6 +23,8 @@ class AttentionMetadata:
     Requests are laid out back to back: the new tokens of request b are rows
     `query_start_loc[b]:query_start_loc[b+1]` of q/k/v, and they sit at the end of its
     sequence, so query row i of request b is at position `context_lens[b] - T_b + i`.
+    The first `num_decodes` requests bring exactly one new token each (decodes come first,
+    so a backend can send them to a decode kernel and the rest to a prefill kernel).
     """
 
     slot_mapping: torch.Tensor  # [T_total] int64: cache slot (block * P + offset) of each new token
@@ -31,6 +33,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32: blocks of request b in order, padded with 0
     max_query_len: int  # max T over requests (host int: no device sync needed)
     max_context_len: int  # max context_lens (host int)
+    num_decodes: int  # leading requests with T = 1 (host int)
 
     @property
     def num_requests(self) -> int:
@@ -39,7 +42,7 @@ class AttentionMetadata:
     @property
     def is_decode(self) -> bool:
         """Every request brings exactly one new token."""
-        return self.max_query_len == 1
+        return self.num_decodes == self.num_requests
 
 
 class AttentionBackend(ABC):

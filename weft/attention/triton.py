@@ -1,8 +1,9 @@
 """Triton backend: the paged slab [2, L, N, P, H_kv, D], read in place by Triton kernels.
 
 Writes are the paged backend's scatter. Reads follow the block table inside the kernels,
-so nothing is gathered into a padded copy: decode steps (one new token per request) run
-split-KV flash-decoding, every other step a causal flash-attention kernel over the cache.
+so nothing is gathered into a padded copy: a step's decodes (one new token each) run
+split-KV flash-decoding, its other requests a causal flash-attention kernel over the cache;
+a mixed step launches both, each on its own requests.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class TritonStep:
     """Per-step state, built once in `prepare` and used by every layer."""
 
     meta: AttentionMetadata
-    splits: DecodeSplits | None  # decode steps only: the context split and its scratch
+    splits: DecodeSplits | None  # steps with decodes: the split of their contexts and its scratch
 
 
 class TritonBackend(AttentionBackend):
@@ -39,10 +40,10 @@ class TritonBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> TritonStep:
         self._check_metadata(meta)
         splits = None
-        if meta.is_decode:
+        if meta.num_decodes:
             cfg = self.cfg
             splits = DecodeSplits.plan(
-                meta.num_requests, cfg.H_q, cfg.H_kv, cfg.D, meta.max_context_len, self.kv_cache.device
+                meta.num_decodes, cfg.H_q, cfg.H_kv, cfg.D, meta.max_context_len, self.kv_cache.device
             )
         return TritonStep(meta, splits)
 
@@ -56,14 +57,15 @@ class TritonBackend(AttentionBackend):
         meta = step.meta
         k_cache, v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]  # [N, P, H_kv, D]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if step.splits is not None:
-            return decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, step.splits, out
-            )
-        return prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
-            meta.max_query_len, self.scale, out,
-        )
+        n = meta.num_decodes  # their tokens are q's first n rows
+        if n:
+            table, ctx = meta.block_tables[:n], meta.context_lens[:n]
+            decode_attention(q[:n], k_cache, v_cache, table, ctx, self.scale, step.splits, out[:n])
+        if n < meta.num_requests:
+            # The prefill kernel finds its requests' rows of q and out through query_start_loc.
+            table, starts, ctx = meta.block_tables[n:], meta.query_start_loc[n:], meta.context_lens[n:]
+            prefill_attention(q, k_cache, v_cache, table, starts, ctx, meta.max_query_len, self.scale, out)
+        return out
 
     def _check_tokens(self, name: str, x: torch.Tensor, heads: int, meta: AttentionMetadata) -> None:
         """Host-side only: cheap enough for every layer."""
@@ -96,11 +98,14 @@ class TritonBackend(AttentionBackend):
                 f"triton: a context of {meta.max_context_len} tokens needs {blocks_needed} blocks of "
                 f"{P} tokens, but block_tables has {table.shape[1]} columns"
             )
+        if not 0 <= meta.num_decodes <= B:
+            raise ValueError(f"triton: num_decodes {meta.num_decodes} is outside [0, {B}]")
         starts = meta.query_start_loc.long()
         q_lens, ctx = starts[1:] - starts[:-1], meta.context_lens.long()
+        decode_q_lens = q_lens[: meta.num_decodes]
         bounds = [table.min(), table.max(), ctx.max(), (ctx - q_lens).min(), q_lens.min(), q_lens.max()]
-        bounds += [meta.slot_mapping.min(), meta.slot_mapping.max()]
-        table_min, table_max, ctx_max, cached_min, q_min, q_max, slot_min, slot_max = (
+        bounds += [meta.slot_mapping.min(), meta.slot_mapping.max(), decode_q_lens.ne(1).any()]
+        table_min, table_max, ctx_max, cached_min, q_min, q_max, slot_min, slot_max, decode_not_1 = (
             torch.stack([x.long() for x in bounds]).tolist()
         )
         if table_min < 0 or table_max >= N:
@@ -113,6 +118,8 @@ class TritonBackend(AttentionBackend):
             )
         if q_min < 1 or cached_min < 0:
             raise ValueError("triton: every request needs 1 <= new tokens <= its context length")
+        if decode_not_1:
+            raise ValueError(f"triton: the first num_decodes={meta.num_decodes} requests must bring one new token each")
         if slot_min < 0 or slot_max >= N * P:
             bad = slot_min if slot_min < 0 else slot_max
             raise ValueError(f"triton: slot {bad} is outside the cache's [0, {N * P})")

@@ -58,6 +58,7 @@ class ModelRunner:
             block_tables=self._tensor(tables, torch.int32),
             max_query_len=max(batch.num_new_tokens),
             max_context_len=max(context_lens),
+            num_decodes=next((i for i, T in enumerate(batch.num_new_tokens) if T != 1), len(batch)),
         )
         return StepInputs(
             self._tensor(input_ids, torch.int64),

@@ -19,7 +19,7 @@ import triton.language as tl
 from weft.attention.kernels.tiles import LOG2E, softmax_step, token_offsets
 
 BLOCK_N = 64  # context tokens per tile
-NUM_WARPS = 4
+NUM_WARPS = 2  # H200 sweep (results/logs/h200_kernel_sweep.txt): 2 beat 4 and 8 at B <= 8, tied at B = 64
 NUM_STAGES = 2
 WAVES = 4  # aim for this many programs per SM, so the memory system has enough loads in flight
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows

@@ -15,7 +15,7 @@ import triton.language as tl
 from weft.attention.kernels.tiles import LOG2E, softmax_step, token_offsets
 
 BLOCK_M = 128  # new tokens per program
-BLOCK_N = 64  # cached tokens per tile
+BLOCK_N = 128  # cached tokens per tile; H200 sweep (results/logs/h200_kernel_sweep.txt): 128 beat 32 and 64
 NUM_WARPS = 8
 NUM_STAGES = 2
 
