@@ -14,8 +14,11 @@ import torch
 def git_sha() -> str:
     """The commit measured, with '-dirty' when the tree has uncommitted changes.
 
-    Outside git (the GPU machine gets the tree without .git): $WEFT_GIT_SHA, else 'unknown'.
+    $WEFT_GIT_SHA, when set, names it: a `git archive` export measured on another machine
+    may sit inside some other checkout, whose HEAD is not what runs. Else git; else 'unknown'.
     """
+    if os.environ.get("WEFT_GIT_SHA"):
+        return os.environ["WEFT_GIT_SHA"]
     root = Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(
@@ -25,7 +28,7 @@ def git_sha() -> str:
             ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("WEFT_GIT_SHA", "unknown")
+        return "unknown"
     return sha + ("-dirty" if dirty else "")
 
 

@@ -15,7 +15,7 @@ import triton.language as tl
 from weft.attention.kernels.tiles import LOG2E, softmax_step, token_offsets
 
 BLOCK_M = 128  # new tokens per program
-BLOCK_N = 128  # cached tokens per tile; H200 sweep (results/logs/h200_kernel_sweep.txt): 128 beat 32 and 64
+KV_TILE_BYTES = 128 * 128 * 2  # one K (or V) tile: 128 tokens of D = 128 in bf16, the fastest in the H200 sweep
 NUM_WARPS = 8
 NUM_STAGES = 2
 
@@ -95,11 +95,14 @@ def prefill_attention(
     _, P, H_kv, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride()
     num_m_tiles = triton.cdiv(max_query_len, BLOCK_M)
+    # Cached tokens per tile (results/logs/h200_kernel_sweep.txt: 128 beat 32 and 64 in bf16); wider
+    # rows get fewer, or the pipelined K/V tiles outgrow shared memory (float32 at D = 128 would need 256 KiB).
+    block_n = max(16, min(128, KV_TILE_BYTES // (D * q.element_size())))
     _prefill_kernel[(num_m_tiles, context_lens.shape[0], H_q)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
         scale * LOG2E, num_m_tiles,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
-        GROUP=H_q // H_kv, D=D, P=P, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        GROUP=H_q // H_kv, D=D, P=P, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
