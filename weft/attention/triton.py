@@ -57,14 +57,16 @@ class TritonBackend(AttentionBackend):
         meta = step.meta
         k_cache, v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]  # [N, P, H_kv, D]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        n = meta.num_decodes  # their tokens are q's first n rows
-        if n:
-            table, ctx = meta.block_tables[:n], meta.context_lens[:n]
-            decode_attention(q[:n], k_cache, v_cache, table, ctx, self.scale, step.splits, out[:n])
-        if n < meta.num_requests:
-            # The prefill kernel finds its requests' rows of q and out through query_start_loc.
-            table, starts, ctx = meta.block_tables[n:], meta.query_start_loc[n:], meta.context_lens[n:]
-            prefill_attention(q, k_cache, v_cache, table, starts, ctx, meta.max_query_len, self.scale, out)
+        # Whole tensors, no slices: each kernel is told which requests are its own, so the
+        # pointers (and Triton's specializations on their alignment) stay the same every step.
+        table, ctx = meta.block_tables, meta.context_lens
+        if meta.num_decodes:
+            decode_attention(q, k_cache, v_cache, table, ctx, self.scale, step.splits, out)
+        if meta.num_decodes < meta.num_requests:
+            prefill_attention(
+                q, k_cache, v_cache, table, meta.query_start_loc, ctx, meta.max_query_len, self.scale, out,
+                first_request=meta.num_decodes,
+            )
         return out
 
     def _check_tokens(self, name: str, x: torch.Tensor, heads: int, meta: AttentionMetadata) -> None:

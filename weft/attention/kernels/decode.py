@@ -139,12 +139,15 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, splits: DecodeSplits, out: torch.Tensor,
 ) -> torch.Tensor:
-    """Attention of q [B, H_q, D] over k_cache/v_cache [N, P, H_kv, D] -> out [B, H_q, D].
+    """Attention of q [T_total, H_q, D] over k_cache/v_cache [N, P, H_kv, D] -> out [T_total, H_q, D].
 
-    Request b's tokens 0 .. context_lens[b]-1 (int32 [B]) sit in blocks block_tables[b]
-    (int32 [B, max_blocks]); inputs are trusted (the backend's `prepare` validates them).
+    Computes the first B requests, B being the number `splits` was planned for: request b's
+    one new token is q row b, and its tokens 0 .. context_lens[b]-1 (int32 [>= B]) sit in
+    blocks block_tables[b] (int32 [>= B, max_blocks]). Rows from B on are left alone (a mixed
+    step's prefills); inputs are trusted (the backend's `prepare` validates them).
     """
-    B, H_q, D = q.shape
+    B = splits.lse.shape[0]
+    _, H_q, D = q.shape
     _, P, H_kv, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride()
     num_splits = splits.lse.shape[2]

@@ -1,9 +1,11 @@
 """Causal flash attention of ragged new tokens over the paged cache (prefill and extend).
 
-One program per (tile of BLOCK_M new tokens of request b, query head). Request b's T_b new
-tokens are the last ones of its context, so its query row i sits at position
-context_lens[b] - T_b + i and sees cache positions 0 .. that position. Tiles of keys that
-every row of the query tile sees skip the causal mask; only the few on the diagonal pay it.
+One program per (tile of BLOCK_M new tokens of request b, query head), for requests
+first_request .. B-1 (a mixed step's decodes come first and go to the decode kernel).
+Request b's T_b new tokens are the last ones of its context, so its query row i sits at
+position context_lens[b] - T_b + i and sees cache positions 0 .. that position. Tiles of
+keys that every row of the query tile sees skip the causal mask; only the few on the
+diagonal pay it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ NUM_WARPS = 8
 NUM_STAGES = 2
 
 
-@triton.jit
+# Values that change from step to step are not specialized on: no recompiling mid-run.
+@triton.jit(do_not_specialize=["first_request", "num_m_tiles", "stride_table"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, query_start_loc_ptr, context_lens_ptr,
-    scale_log2, num_m_tiles,
+    scale_log2, first_request, num_m_tiles,
     stride_qt, stride_qh, stride_qd,
     stride_kn, stride_kp, stride_kh, stride_kd,
     stride_table,
@@ -32,7 +35,7 @@ def _prefill_kernel(
 ):
     # Longest-running tiles (the last rows of a request) first, so short ones fill the tail.
     m_tile = num_m_tiles - 1 - tl.program_id(0)
-    b = tl.program_id(1)
+    b = first_request + tl.program_id(1)
     h = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
@@ -84,12 +87,14 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor,
+    first_request: int = 0,
 ) -> torch.Tensor:
     """Causal attention of q [T_total, H_q, D] over k_cache/v_cache [N, P, H_kv, D] -> out [T_total, H_q, D].
 
     Request b's new tokens are q rows query_start_loc[b] .. query_start_loc[b+1]-1 (int32
     [B+1]); its context_lens[b] (int32 [B]) tokens, these included, sit in blocks
-    block_tables[b] (int32 [B, max_blocks]). Inputs are trusted (the backend validates them).
+    block_tables[b] (int32 [B, max_blocks]). Only requests first_request .. B-1 are computed
+    (their rows of out); inputs are trusted (the backend validates them).
     """
     _, H_q, D = q.shape
     _, P, H_kv, _ = k_cache.shape
@@ -98,9 +103,9 @@ def prefill_attention(
     # Cached tokens per tile (results/logs/h200_kernel_sweep.txt: 128 beat 32 and 64 in bf16); wider
     # rows get fewer, or the pipelined K/V tiles outgrow shared memory (float32 at D = 128 would need 256 KiB).
     block_n = max(16, min(128, KV_TILE_BYTES // (D * q.element_size())))
-    _prefill_kernel[(num_m_tiles, context_lens.shape[0], H_q)](
+    _prefill_kernel[(num_m_tiles, context_lens.shape[0] - first_request, H_q)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
-        scale * LOG2E, num_m_tiles,
+        scale * LOG2E, first_request, num_m_tiles,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=H_q // H_kv, D=D, P=P, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,

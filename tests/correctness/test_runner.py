@@ -1,0 +1,47 @@
+"""The runner's per-step metadata: what the attention backends are told about a step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weft.attention.paged import PagedBackend
+from weft.config import ModelConfig
+from weft.inference.outputs import RequestMetrics
+from weft.inference.params import SamplingParams
+from weft.inference.runner import ModelRunner
+from weft.inference.scheduler import ScheduledBatch
+from weft.inference.sequence import Sequence
+
+pytestmark = pytest.mark.correctness
+P = 4
+CFG = ModelConfig(
+    arch="llama", V=32, E=64, L=1, H_q=2, H_kv=1, D=32, intermediate=32, rms_eps=1e-6, rope_theta=1e4,
+    max_model_len=64, tie_word_embeddings=False,
+)
+
+
+def sequence(seq_id: int, num_tokens: int, num_computed: int) -> Sequence:
+    seq = Sequence(
+        seq_id, list(range(num_tokens)), num_tokens, SamplingParams(), num_tokens + 8, RequestMetrics(0, 0.0)
+    )
+    seq.num_computed_tokens = num_computed
+    seq.block_table = list(range(10 * seq_id, 10 * seq_id + -(-num_tokens // P)))
+    return seq
+
+
+@pytest.mark.parametrize(
+    ("new_tokens", "num_decodes"),
+    [([1, 1, 1], 3), ([5, 3], 0), ([1, 1, 6, 1], 2), ([7, 1, 1], 0)],
+    ids=["decode", "prefill", "mixed", "prefill-first"],
+)
+def test_num_decodes_counts_the_leading_one_token_requests(new_tokens, num_decodes):
+    attn = PagedBackend(CFG, 64, P, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model=None, attn=attn, device=torch.device("cpu"))
+    batch = ScheduledBatch()
+    for i, T in enumerate(new_tokens):
+        batch.add(sequence(i, 9, 9 - T), T)
+    meta = runner.prepare(batch).meta
+    assert meta.num_decodes == num_decodes
+    assert meta.is_decode == (num_decodes == len(new_tokens))
+    assert meta.query_start_loc.diff().tolist() == new_tokens
