@@ -19,7 +19,11 @@ import triton.language as tl
 from weft.attention.kernels.tiles import LOG2E, softmax_step, token_offsets
 
 BLOCK_N = 64  # context tokens per tile
-NUM_WARPS = 2  # H200 sweep (results/logs/h200_kernel_sweep.txt): 2 beat 4 and 8 at B <= 8, tied at B = 64
+# 4, not 2: in this two-kernel form 2 warps measured the same in bf16 (e3 runs 0001 vs 0004), while
+# e5 in float32 fell from 1197 to 494 output tok/s with them (results/logs; likely register spills:
+# a float32 K or V tile is 128 registers per thread over 64 threads). 2 won the H200 sweep only in a
+# fused-merge variant (results/logs/h200_kernel_sweep.txt).
+NUM_WARPS = 4
 NUM_STAGES = 2
 WAVES = 4  # aim for this many programs per SM, so the memory system has enough loads in flight
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
