@@ -171,6 +171,14 @@ def _progress(config: pytest.Config, line: str) -> None:
         terminal.write_line(line)
 
 
+def save_so_far(config: pytest.Config) -> None:
+    """With --benchmark-json, rewrite that file now with every benchmark so far: pytest-benchmark
+    writes it only when the session ends, and a run cut short by a time limit would leave nothing."""
+    session = getattr(config, "_benchmarksession", None)
+    if session is not None and session.json and not (session.save or session.autosave):
+        session.handle_saving()
+
+
 # ---- fixtures -------------------------------------------------------------------------------
 
 
@@ -260,6 +268,7 @@ def run_benchmark(benchmark, request: pytest.FixtureRequest, device: torch.devic
             f"  {experiment} {config.label}: makespan {info['makespan_s']:.2f} s, "
             f"{info['output_tok_s']:.0f} out tok/s, TTFT p50 {info['ttft_p50_s'] or float('nan'):.3f} s",
         )
+        save_so_far(request.config)  # a serving run is long: keep it even if the session is cut short
         return served
 
     return run
