@@ -1,10 +1,11 @@
 """`python -m weft.report [RUN ...]`: charts and a markdown summary of stored perf runs.
 
 RUN is a JSON path, or a stored run's number (0001) or file name. Without RUN: the newest
-stored run, merged with the other runs of its machine and commit (a matrix run in several
-sessions). Runs of two commits of one machine: the newer is reported and compared with the
-older in a ratio table; `--baseline RUN...` names the runs to compare against explicitly
-(say, an earlier run of the same uncommitted tree). Runs of several machines are refused.
+stored run's machine, each experiment from the newest commit that measured it (a matrix run
+over several sessions), each named with its commit. Runs of two commits of one machine: the
+newer is reported and compared with the older in a ratio table; `--baseline RUN...` names
+the runs to compare against explicitly (say, an earlier run of the same uncommitted tree).
+Runs of several machines are refused.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from weft.benchmark.results import (
     EXPERIMENTS,
     ReportError,
     Selection,
+    commits_by_experiment,
     load_run,
     load_stored,
     resolve,
@@ -128,31 +130,39 @@ def ratio_table(subject: pd.DataFrame, baseline: pd.DataFrame) -> str:
     return markdown_table(["experiment", "benchmark", "metric", "baseline", "this", "this ÷ baseline"], rows)
 
 
+def _commit_of(subject: pd.DataFrame, experiments: tuple[str, ...]) -> str:
+    shas = subject.loc[subject["experiment"].isin(experiments), "git_sha"].drop_duplicates()
+    return ", ".join(f"`{sha[:12]}`" for sha in shas) or "–"
+
+
 def summary(selection: Selection, subject: pd.DataFrame, baseline: pd.DataFrame, drawn: list[str]) -> str:
-    runs = ", ".join(f"`{r.label}` ({r.datetime[:19]})" for r in selection.subject)
     out = [
         "# weft benchmark report",
         "",
-        f"Machine **{selection.gpu}**, commit `{selection.git_sha}`; runs {runs}.",
-        "Written by `python -m weft.report`; every figure below comes from those runs' `extra_info`.",
+        f"Machine **{selection.gpu}**. Each experiment comes from one commit, the newest that measured it:",
     ]
+    for sha, experiments in commits_by_experiment(subject).items():
+        runs = ", ".join(f"`{r}`" for r in subject.loc[subject["git_sha"] == sha, "run"].drop_duplicates())
+        out.append(f"- commit `{sha}`: {', '.join(experiments)} (runs {runs})")
+    out.append("Written by `python -m weft.report`; every figure below comes from those runs' `extra_info`.")
     if selection.gpu == "cpu":
         out += ["", "> CPU run: toy sizes on a tiny random model, to keep the suite alive. Never publish these."]
     out += [f"- {note}" for note in selection.notes]
-    out += ["", "## The seed's claims, from this run", ""]
-    out.append(markdown_table(["claim", "seed (its authors' hardware)", "this run"],
-                              [[c.what, c.seed, c.measured] for c in claims(subject)]))
+    out += ["", "## The seed's claims, from these runs", ""]
+    out.append(markdown_table(["claim", "seed (its authors' hardware)", "measured here", "commit"],
+                              [[c.what, c.seed, c.measured, _commit_of(subject, c.experiments)]
+                               for c in claims(subject)]))
     for experiment, title in EXPERIMENTS.items():
         df = subject[subject["experiment"] == experiment]
         if df.empty:
             continue
-        out += ["", f"## {experiment}: {title}", ""]
+        out += ["", f"## {experiment}: {title}", "", f"Commit {_commit_of(df, (experiment,))}.", ""]
         if experiment in drawn:
             out += [f"![{experiment}]({experiment}.png)", ""]
         out.append(experiment_table(experiment, df))
     missing = [e for e in EXPERIMENTS if e not in set(subject["experiment"])]
     if missing:
-        out += ["", f"Not in these runs: {', '.join(missing)}."]
+        out += ["", f"Not measured on this machine: {', '.join(missing)}."]
     if not baseline.empty:
         base = selection.baseline
         out += ["", f"## This commit ÷ baseline commit `{base[0].git_sha}`",
@@ -198,7 +208,8 @@ def report(
         if df.empty:
             continue
         path = out / f"{experiment}.png"
-        charts.draw(experiment, df, f"{experiment}: {EXPERIMENTS[experiment]} — {selection.gpu}", path)
+        title = f"{experiment}: {EXPERIMENTS[experiment]} — {selection.gpu} @ {df['git_sha'].iloc[0][:12]}"
+        charts.draw(experiment, df, title, path)
         charts_written.append(path)
     readme = out / "README.md"
     readme.write_text(summary(selection, subject, baseline, [p.stem for p in charts_written]))

@@ -82,7 +82,7 @@ def test_two_commits_compare_newer_over_older(tmp_path):
     assert "| e8 | test_e8[continuous×triton--] | output_tok_s | 400 | 800 | 2 |" in readme
 
 
-def test_split_sessions_of_one_commit_merge_and_other_commits_stay_out(tmp_path):
+def test_split_sessions_of_one_commit_merge_and_supersede_an_older_commit(tmp_path):
     results = tmp_path / "results"
     rows = records()
     write_run(results, 1, "NVIDIA H200", "old111", rows, "2026-11-29T09:00:00")
@@ -91,8 +91,26 @@ def test_split_sessions_of_one_commit_merge_and_other_commits_stay_out(tmp_path)
     (results / "notes.json").write_text("[1, 2]")
     assert run_report(tmp_path) == 0
     readme = (tmp_path / "out" / "README.md").read_text()
-    assert "merged runs 0002_new222, 0003_new222" in readme
-    assert "left out 1 stored run(s)" in readme and "skipped" in readme and "baseline commit" not in readme
+    assert "- commit `new222`: e1, e3, e4, e5, e7, e8 (runs `0002_new222`, `0003_new222`)" in readme
+    assert "old111" not in readme and "skipped" in readme and "baseline commit" not in readme
+
+
+def test_each_experiment_comes_from_the_newest_commit_that_measured_it(tmp_path):
+    """A matrix measured over sessions at different commits is shown whole, never mixed in one table."""
+    results = tmp_path / "results"
+    e3_e4 = [r for r in records() if r["experiment"] in ("e3", "e4")]
+    write_run(results, 1, "NVIDIA H200", "old111", e3_e4, "2026-11-29T09:00:00")
+    e4_faster = [r for r in records(speed=2.0) if r["experiment"] == "e4"]
+    write_run(results, 2, "NVIDIA H200", "new222", e4_faster, "2026-11-29T10:00:00")
+    assert run_report(tmp_path) == 0
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "- commit `new222`: e4 (runs `0002_new222`)" in readme
+    assert "- commit `old111`: e3 (runs `0001_old111`)" in readme
+    assert "10 s → 0.75 s (13×) | `new222` |" in readme  # claim 1 from e4 of new222 only
+    e3_section = readme.split("## e3: ")[1].split("## ")[0]
+    e4_section = readme.split("## e4: ")[1].split("## ")[0]
+    assert "Commit `old111`." in e3_section and "Commit `new222`." in e4_section
+    assert "| 12 |" not in e4_section and "| 6 |" in e4_section  # old111's e4 makespan stays out
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ class Claim:
     what: str
     seed: str
     measured: str  # "n/a: ..." when the run lacks what it takes
+    experiments: tuple[str, ...]  # where `measured` comes from
 
 
 def _rows(df: pd.DataFrame, experiment: str) -> pd.DataFrame:
@@ -77,12 +78,12 @@ def _pool(df: pd.DataFrame) -> str:
 def claims(df: pd.DataFrame) -> list[Claim]:
     return [
         Claim("1. TTFT p50, static×contiguous → continuous×triton (e4)", "10 s → 1.5 s (6.7×)",
-              _ratio(df, "ttft_p50_s", "s", "→")),
+              _ratio(df, "ttft_p50_s", "s", "→"), ("e4",)),
         Claim("2. makespan, static×contiguous vs continuous×triton (e4)", "28 s vs 12 s (2.3×)",
-              _ratio(df, "makespan_s", "s", "vs")),
+              _ratio(df, "makespan_s", "s", "vs"), ("e4",)),
         Claim("3. the triton kernel scales best with context (e3, e1)", "much better than any other backend",
-              _scaling(df)),
+              _scaling(df), ("e3", "e1")),
         Claim("4. ITL p50 per backend (e4)", "36 ms triton / 47 ms contiguous / 59 ms paged-gather",
-              _itl_per_backend(df)),
-        Claim("5. throughput as the pool shrinks (e5)", "degrades gracefully", _pool(df)),
+              _itl_per_backend(df), ("e4",)),
+        Claim("5. throughput as the pool shrinks (e5)", "degrades gracefully", _pool(df), ("e5",)),
     ]

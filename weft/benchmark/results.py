@@ -1,9 +1,11 @@
 """Stored perf runs (pytest-benchmark JSON) as tables, and the rules for what may be shown together.
 
-A report is about one machine and one commit: runs of that commit on that machine are
-merged (a matrix may be run in several sessions; a benchmark run twice keeps its latest
-record), and at most one other commit of the same machine may come along as the baseline
-of a comparison. Anything else is refused with a `ReportError`.
+A report is about one machine. Named runs must be one commit, with at most one other commit
+of the same machine as the baseline of a comparison. The default report (every stored run)
+takes each experiment from the newest commit that measured it, so a matrix run over several
+sessions is shown whole; every experiment still comes from one commit, and the report names
+it. Runs of one commit are merged (a benchmark run twice keeps its latest record). Anything
+else is refused with a `ReportError`.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def resolve(names: list[str], folder: Path) -> list[Path]:
 
 @dataclass
 class Selection:
-    """The runs a report shows: the subject commit's, and possibly a baseline commit's."""
+    """The runs a report shows: the subject's (one machine; one commit per experiment), and
+    possibly a baseline commit's."""
 
     subject: list[Run]
     baseline: list[Run] = field(default_factory=list)
@@ -110,17 +113,22 @@ class Selection:
     def gpu(self) -> str:
         return self.subject[0].gpu
 
-    @property
-    def git_sha(self) -> str:
-        return self.subject[0].git_sha
-
     def records(self, baseline: bool = False) -> pd.DataFrame:
-        """One row per benchmark name: the latest run's record wins."""
+        """One row per benchmark name, each experiment's from the newest commit that has it;
+        within that commit the latest run's record wins."""
         runs = sorted(self.baseline if baseline else self.subject, key=lambda r: r.datetime)
         if not runs:
             return pd.DataFrame()
         frame = pd.concat([r.records for r in runs], ignore_index=True)
+        newest = frame.groupby("experiment", sort=False)["git_sha"].transform("last")
+        frame = frame[frame["git_sha"] == newest]
         return frame.drop_duplicates("name", keep="last").reset_index(drop=True)
+
+
+def commits_by_experiment(records: pd.DataFrame) -> dict[str, list[str]]:
+    """commit -> the experiments a report's records take from it, newest commit first."""
+    order = records.iloc[::-1]["git_sha"].drop_duplicates()
+    return {sha: sorted(set(records.loc[records["git_sha"] == sha, "experiment"])) for sha in order}
 
 
 def select(runs: list[Run], explicit: bool, baseline: list[Run] | None = None) -> Selection:
@@ -130,8 +138,9 @@ def select(runs: list[Run], explicit: bool, baseline: list[Run] | None = None) -
     the subject, the older its baseline. An explicit `baseline` (same machine, any commit,
     e.g. an earlier run of the same dirty tree) makes all of `runs` the subject, which must
     then be one commit. Without explicit runs (`explicit=False`, every stored run): the
-    newest GPU run's machine and commit (the newest CPU run's when there is no GPU run), and
-    nothing else: CPU runs, made by every local test run, never displace the published ones.
+    newest GPU run's machine (the newest CPU run's when there is no GPU run), every commit of
+    it, each experiment from its newest (`Selection.records`), and no baseline: CPU runs,
+    made by every local test run, never displace the published ones.
     """
     if not runs:
         raise ReportError("no runs to report on: run `pytest tests/perf -m perf` first, or name a run")
@@ -140,10 +149,11 @@ def select(runs: list[Run], explicit: bool, baseline: list[Run] | None = None) -
     newest = ([r for r in runs if r.gpu != "cpu"] or runs)[-1]
     notes = []
     if not explicit:
-        others = [r for r in runs if (r.gpu, r.git_sha) != (newest.gpu, newest.git_sha)]
+        others = [r for r in runs if r.gpu != newest.gpu]
         if others:
-            notes.append(f"left out {len(others)} stored run(s) of other machines or commits")
+            notes.append(f"left out {len(others)} stored run(s) of other machines")
         runs = [r for r in runs if r not in others]
+        return Selection(runs, [], notes)
     everything = runs + baseline
     machines = sorted({r.gpu for r in everything})
     if len(machines) > 1:
