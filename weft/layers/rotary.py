@@ -15,12 +15,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T_total], q [T_total, H_q, D], k [T_total, H_kv, D] -> rotated q, k."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T_total] -> cos, sin [T_total, 1, D]: looked up once per step, used by every layer."""
         # like HF, the tables are cast to the activations' dtype before the multiply
-        cos = self.cos[positions][:, None, :].to(q.dtype)  # [T_total, 1, D]
-        sin = self.sin[positions][:, None, :].to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T_total, H_q, D], k [T_total, H_kv, D], cos/sin [T_total, 1, D] -> rotated q, k."""
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,9 @@ from weft.attention.base import AttentionBackend
 from weft.config import ModelConfig
 from weft.layers.mlp import SwiGLU
 from weft.layers.norm import RMSNorm
-from weft.layers.rotary import RotaryEmbedding
+from weft.layers.rotary import RotaryEmbedding, apply_rotary
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T_total, 1, D] of this step's positions
 
 
 class LlamaAttention(nn.Module):
@@ -28,14 +30,12 @@ class LlamaAttention(nn.Module):
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend, step: Any
-    ) -> torch.Tensor:
-        """x [T_total, E], positions [T_total] -> [T_total, E]"""
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend, step: Any) -> torch.Tensor:
+        """x [T_total, E] -> [T_total, E]"""
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.H_q * cfg.D, cfg.H_kv * cfg.D, cfg.H_kv * cfg.D], dim=-1)
         q, k = self.normalize_qk(q.view(-1, cfg.H_q, cfg.D), k.view(-1, cfg.H_kv, cfg.D))
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         o = attn.forward(self.layer, q, k, v.view(-1, cfg.H_kv, cfg.D), step)  # [T_total, H_q, D]
         return self.o_proj(o.flatten(1))
 
@@ -48,10 +48,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.E, cfg.rms_eps)
         self.mlp = SwiGLU(cfg.E, cfg.intermediate, cfg.mlp_bias)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend, step: Any
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn, step)
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend, step: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -68,8 +66,9 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T_total] -> hidden [T_total, E]"""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attn, step)
+            x = layer(x, rope, attn, step)
         return self.norm(x)
 
 
