@@ -30,7 +30,9 @@ MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
 SPLIT_TILE = 16  # splits the merge kernel reads at a time
 
 
-@triton.jit
+# The block table's width (here) and the number of splits (the merge) change from step to step:
+# not specialized on, so a serving run compiles each kernel once per shape, not again mid-run.
+@triton.jit(do_not_specialize=["stride_table"])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, context_lens_ptr, o_ptr, lse_ptr,
     scale_log2, chunk,
@@ -77,24 +79,28 @@ def _split_kernel(
     tl.store(lse_rows, m + tl.log2(row_sum), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     o_part_ptr, lse_ptr, out_ptr, num_splits,
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_lb, stride_lh, stride_ls,
     stride_ob, stride_oh, stride_od,
-    D: tl.constexpr, SPLITS: tl.constexpr, SPLIT_TILE: tl.constexpr,
+    D: tl.constexpr, SPLIT_TILE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     lse_row = lse_ptr + b * stride_lb + h * stride_lh
-    s = tl.arange(0, SPLITS)
-    lse_max = tl.max(tl.load(lse_row + s * stride_ls, mask=s < num_splits, other=float("-inf")), 0)
+    # Two passes, a few splits at a time (registers stay bounded however many there are): the
+    # largest log-sum-exp, then the outputs weighed relative to it.
+    m = tl.full([SPLIT_TILE], float("-inf"), tl.float32)
+    for first in range(0, num_splits, SPLIT_TILE):
+        t = first + tl.arange(0, SPLIT_TILE)
+        m = tl.maximum(m, tl.load(lse_row + t * stride_ls, mask=t < num_splits, other=float("-inf")))
+    lse_max = tl.max(m, 0)
     parts = o_part_ptr + b * stride_pb + h * stride_ph
     d = tl.arange(0, D)
     acc = tl.zeros([D], tl.float32)
     weights = tl.zeros([SPLIT_TILE], tl.float32)
-    # A few splits at a time: the registers stay bounded however many splits there are.
     for first in range(0, num_splits, SPLIT_TILE):
         t = first + tl.arange(0, SPLIT_TILE)
         t_ok = t < num_splits
@@ -164,6 +170,6 @@ def decode_attention(
     )
     _merge_kernel[(B, H_q)](
         splits.o, splits.lse, out, num_splits, *splits.o.stride(), *splits.lse.stride(), *out.stride(),
-        D=D, SPLITS=triton.next_power_of_2(num_splits), SPLIT_TILE=SPLIT_TILE,
+        D=D, SPLIT_TILE=SPLIT_TILE,
     )
     return out
