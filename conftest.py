@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(scope="module")
+def outside_xdist() -> Iterator[None]:
+    """Pytest sessions a test module starts are not xdist workers, even when the module runs in one (-n):
+    they would inherit its PYTEST_XDIST_* variables and skip their perf tests."""
+    patch = pytest.MonkeyPatch()
+    for var in [v for v in os.environ if v.startswith("PYTEST_XDIST_")]:
+        patch.delenv(var)
+    yield
+    patch.undo()

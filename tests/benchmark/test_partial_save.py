@@ -26,7 +26,7 @@ def test_killed(benchmark, request):
 
 
 @pytest.mark.parametrize("save_so_far_called", [True, False])
-def test_finished_benchmarks_survive_a_killed_session(pytester, tmp_path, save_so_far_called):
+def test_finished_benchmarks_survive_a_killed_session(pytester, tmp_path, outside_xdist, save_so_far_called):
     source = INNER_TEST if save_so_far_called else INNER_TEST.replace("    save_so_far(request.config)\n", "")
     pytester.makepyfile(test_inner=source)
     out = tmp_path / "run.json"

@@ -19,6 +19,7 @@ from weft.remote import app, pytest_plugin
 from weft.remote.worker import CollectionError, NodeResult
 
 pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.usefixtures("outside_xdist")
 
 TESTS = """
 import pytest

@@ -25,7 +25,7 @@ PERF_NODE = "tests/perf/test_e5_pool_sweep.py::test_e5_pool_sweep[pool1]"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def slow_runs() -> Iterator[dict[str, Future]]:
+def slow_runs(outside_xdist) -> Iterator[dict[str, Future]]:
     """The gate and a perf test, started with the module's first test and left to run behind the others.
 
     Each is a fresh Python importing torch and transformers: the bulk of this module's time.

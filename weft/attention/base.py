@@ -1,8 +1,11 @@
 """The attention-backend interface: a backend owns its KV-cache slab and its attention math.
 
 The runner builds one `AttentionMetadata` per step (flat tensors, shared by all L layers);
-each backend may derive extra per-step state from it once, in `prepare`, and then every
-layer calls `forward`, which writes this step's K/V into the slab and attends over it.
+each backend checks it and may derive extra per-step state from it once, in `prepare`, and
+then every layer calls `forward`, which writes this step's K/V into the slab and attends
+over it. A backend whose per-step state has fixed shapes for a given batch size
+(`cuda_graphs`) can have its decode steps captured in CUDA graphs: the runner then calls
+`check` on each real step and `plan` once per graph.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class AttentionBackend(ABC):
     """A KV-cache slab of N blocks of P tokens for all L layers, and attention over it."""
 
     name: ClassVar[str]
+    cuda_graphs: ClassVar[bool] = False  # decode steps can be captured (weft.inference.cuda_graphs)
 
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
@@ -74,6 +78,14 @@ class AttentionBackend(ABC):
 
     def prepare(self, meta: AttentionMetadata) -> Any:
         """Per-step state derived from `meta` once, before the L layers run; passed to `forward`."""
+        self.check(meta)
+        return self.plan(meta)
+
+    def check(self, meta: AttentionMetadata) -> None:  # noqa: B027 (a backend with nothing to check keeps this)
+        """Raises ValueError for metadata that would make this backend read or write out of bounds."""
+
+    def plan(self, meta: AttentionMetadata) -> Any:
+        """The per-step state of checked metadata (no device sync: it may be captured)."""
         return meta
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Any) -> torch.Tensor:

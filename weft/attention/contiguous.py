@@ -20,7 +20,7 @@ class ContiguousBackend(AttentionBackend):
     def slab_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, cfg.L, num_blocks, cfg.H_kv, block_size, cfg.D)
 
-    def prepare(self, meta: AttentionMetadata) -> PaddedStep:
+    def plan(self, meta: AttentionMetadata) -> PaddedStep:
         return plan_padded(meta)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: PaddedStep) -> None:

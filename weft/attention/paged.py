@@ -20,7 +20,7 @@ class PagedBackend(AttentionBackend):
     def slab_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, cfg.L, num_blocks, block_size, cfg.H_kv, cfg.D)
 
-    def prepare(self, meta: AttentionMetadata) -> PaddedStep:
+    def plan(self, meta: AttentionMetadata) -> PaddedStep:
         return plan_padded(meta)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: PaddedStep) -> None:

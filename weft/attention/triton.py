@@ -1,9 +1,9 @@
 """Triton backend: the paged slab [2, L, N, P, H_kv, D], read in place by Triton kernels.
 
-Writes are the paged backend's scatter. Reads follow the block table inside the kernels,
-so nothing is gathered into a padded copy: a step's decodes (one new token each) run
-split-KV flash-decoding, its other requests a causal flash-attention kernel over the cache;
-a mixed step launches both, each on its own requests.
+Writes are one kernel per layer (slots < 0 skipped). Reads follow the block table inside
+the kernels, so nothing is gathered into a padded copy: a step's decodes (one new token
+each) run split-KV flash-decoding, its other requests a causal flash-attention kernel over
+the cache; a mixed step launches both, each on its own requests.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from weft.attention.base import AttentionBackend, AttentionMetadata
-from weft.attention.kernels import DecodeSplits, decode_attention, prefill_attention
-from weft.attention.paged import PagedBackend, write_paged
+from weft.attention.kernels import DecodeSplits, decode_attention, prefill_attention, write_kv
+from weft.attention.paged import PagedBackend
 from weft.config import ModelConfig
 
 
@@ -28,6 +28,7 @@ class TritonStep:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    cuda_graphs = True  # `plan` allocates by shape only; the kernels read lengths from device memory
     slab_shape = staticmethod(PagedBackend.slab_shape)
 
     def __init__(
@@ -37,8 +38,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"triton: head dimension D must be a power of two >= 16, got {cfg.D}")
         super().__init__(cfg, num_blocks, block_size, dtype, device)
 
-    def prepare(self, meta: AttentionMetadata) -> TritonStep:
-        self._check_metadata(meta)
+    def plan(self, meta: AttentionMetadata) -> TritonStep:
         splits = None
         if meta.num_decodes:
             cfg = self.cfg
@@ -50,7 +50,7 @@ class TritonBackend(AttentionBackend):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: TritonStep) -> None:
         self._check_tokens("k", k, self.cfg.H_kv, step.meta)
         self._check_tokens("v", v, self.cfg.H_kv, step.meta)
-        write_paged(self.kv_cache, layer, k, v, step.meta.slot_mapping)
+        write_kv(k, v, step.meta.slot_mapping, self.kv_cache[0, layer], self.kv_cache[1, layer])
 
     def attend(self, layer: int, q: torch.Tensor, step: TritonStep) -> torch.Tensor:
         self._check_tokens("q", q, self.cfg.H_q, step.meta)
@@ -79,7 +79,7 @@ class TritonBackend(AttentionBackend):
                 f"the cache needs {want} {cache.dtype} on {cache.device}"
             )
 
-    def _check_metadata(self, meta: AttentionMetadata) -> None:
+    def check(self, meta: AttentionMetadata) -> None:
         """Refuses metadata that would make the kernels read outside the cache or the block table.
 
         One host-device sync per step, for all the device-side checks together.

@@ -126,6 +126,7 @@ class WeftServer:
             "pool_fraction": self.config.pool_fraction,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
+            "cuda_graphs": self.llm.graphs is not None,  # decode steps replayed from CUDA graphs
         }
 
     def close(self) -> None:

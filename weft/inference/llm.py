@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 from weft.attention import AttentionBackend, get_backend
 from weft.attention.contiguous import ContiguousBackend
 from weft.inference.block_manager import BlockManager
+from weft.inference.cuda_graphs import DecodeGraphs
 from weft.inference.engine import LLMEngine
 from weft.inference.outputs import EngineStats, RequestMetrics, RequestOutput
 from weft.inference.params import SamplingParams
@@ -30,7 +31,8 @@ class LLM:
     Pool: `num_blocks` blocks of `block_size` tokens (paged, triton) or `num_blocks` rows of
     `max_model_len` tokens (contiguous). `num_blocks=None` sizes it from free GPU memory
     (`gpu_memory_utilization` of the card) on CUDA, and to fit each `generate` call's
-    requests on the CPU.
+    requests on the CPU. On CUDA, decode steps of a backend that allows it (triton) replay
+    CUDA graphs captured here, unless `enforce_eager`.
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class LLM:
         dtype: str = "float32",
         device: str | torch.device = "cpu",
         gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ) -> None:
         self.backend_cls = get_backend(attention)
         self.scheduler_cls = get_scheduler(scheduler)
@@ -86,6 +89,9 @@ class LLM:
         self.requested_block_size = block_size
         self.fit_pool_per_call = num_blocks is None and self.device.type != "cuda"
         self.attn: AttentionBackend | None = None if self.fit_pool_per_call else self._make_pool(num_blocks)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and self.backend_cls.cuda_graphs and not enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.attn, self.max_num_seqs, self.max_model_len)
         self.stats = EngineStats()
 
     @property
@@ -120,7 +126,8 @@ class LLM:
         scheduler = self.scheduler_cls(
             BlockManager(attn.num_blocks, attn.block_size), self.max_num_seqs, self.max_num_batched_tokens
         )
-        engine = LLMEngine(ModelRunner(self.model, attn, self.device), scheduler, self.eos_ids, self.max_model_len)
+        runner = ModelRunner(self.model, attn, self.device, self.graphs)
+        engine = LLMEngine(runner, scheduler, self.eos_ids, self.max_model_len)
         for seq in seqs:
             engine.add_request(seq)
         while engine.has_unfinished():

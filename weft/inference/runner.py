@@ -1,8 +1,9 @@
 """ModelRunner: one forward pass for a scheduled batch.
 
 It flattens the batch into T_total tokens and builds the attention metadata once per
-step (host lists -> one transfer per tensor), runs the model, and samples one token for
-every sequence whose known tokens are all in the cache after this step.
+step (host lists -> one transfer per tensor), runs the model (a decode step from a CUDA
+graph when it has one), and samples one token for every sequence whose known tokens are
+all in the cache after this step.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from weft.attention.base import AttentionBackend, AttentionMetadata
+from weft.inference.cuda_graphs import DecodeGraphs
 from weft.inference.scheduler import ScheduledBatch
 from weft.inference.sequence import Sequence
 from weft.layers.sampler import sample
@@ -28,10 +30,13 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, attn: AttentionBackend, device: torch.device, graphs: DecodeGraphs | None = None
+    ) -> None:
         self.model = model
         self.attn = attn
         self.device = device
+        self.graphs = graphs  # decode steps replayed from CUDA graphs captured over `attn`
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         P = self.attn.block_size
@@ -72,7 +77,10 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
         """-> the sequences that got a next token, and those tokens."""
         x = self.prepare(batch)
-        hidden = self.model(x.input_ids, x.positions, self.attn, self.attn.prepare(x.meta))  # [T_total, E]
+        if self.graphs is not None and self.graphs.serves(x.meta):
+            hidden = self.graphs.forward(x.input_ids, x.positions, x.meta)  # [B, E]
+        else:
+            hidden = self.model(x.input_ids, x.positions, self.attn, self.attn.prepare(x.meta))  # [T_total, E]
         if not x.sampling:
             return [], []
         logits = self.model.logits(hidden[x.sample_rows])  # [B', V]

@@ -2,5 +2,6 @@
 
 from weft.attention.kernels.decode import DecodeSplits, decode_attention
 from weft.attention.kernels.prefill import prefill_attention
+from weft.attention.kernels.write import write_kv
 
-__all__ = ["DecodeSplits", "decode_attention", "prefill_attention"]
+__all__ = ["DecodeSplits", "decode_attention", "prefill_attention", "write_kv"]

@@ -35,7 +35,7 @@ SPLIT_TILE = 16  # splits the merge kernel reads at a time
 @triton.jit(do_not_specialize=["stride_table"])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, context_lens_ptr, o_ptr, lse_ptr,
-    scale_log2, chunk,
+    scale_log2,
     stride_qb, stride_qh, stride_qd,
     stride_kn, stride_kp, stride_kh, stride_kd,
     stride_table,
@@ -47,6 +47,10 @@ def _split_kernel(
     h_kv = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + b)
+    # Each request splits its own context evenly, in whole tiles: a short request's programs
+    # finish early, and the grid need not depend on this step's longest context (a CUDA graph
+    # fixes the grid at capture).
+    chunk = tl.cdiv(tl.cdiv(context_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, context_len)
 
@@ -114,12 +118,11 @@ def _merge_kernel(
 
 @dataclass
 class DecodeSplits:
-    """How one decode step splits each request's context, and the scratch the splits write.
+    """How many splits one decode step cuts each request's context into, and the scratch they write.
 
-    Built once per step and shared by all L layers.
+    Built once per step (or once per CUDA graph) and shared by all L layers.
     """
 
-    chunk: int  # context tokens per split, a multiple of BLOCK_N
     o: torch.Tensor  # [B, H_q, num_splits, D] float32: each split's normalized output
     lse: torch.Tensor  # [B, H_q, num_splits] float32: log2-sum-exp of each split's scaled scores
 
@@ -128,14 +131,13 @@ class DecodeSplits:
         cls, B: int, H_q: int, H_kv: int, D: int, max_context_len: int, device: torch.device,
         num_splits: int | None = None,
     ) -> DecodeSplits:
-        """`num_splits` (an upper bound) defaults to enough programs to fill the GPU WAVES times."""
+        """`num_splits` defaults to enough programs to fill the GPU WAVES times, but no more
+        splits than the longest context has tiles."""
         if num_splits is None:
-            num_splits = triton.cdiv(WAVES * _num_sms(device), B * H_kv)
-        chunk = triton.cdiv(triton.cdiv(max_context_len, num_splits), BLOCK_N) * BLOCK_N
-        num_splits = triton.cdiv(max_context_len, chunk)
+            num_splits = min(triton.cdiv(WAVES * _num_sms(device), B * H_kv), triton.cdiv(max_context_len, BLOCK_N))
         o = torch.empty(B, H_q, num_splits, D, dtype=torch.float32, device=device)
         lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=device)
-        return cls(chunk, o, lse)
+        return cls(o, lse)
 
 
 @functools.cache
@@ -163,7 +165,7 @@ def decode_attention(
     num_splits = splits.lse.shape[2]
     _split_kernel[(B, H_kv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, splits.o, splits.lse,
-        scale * LOG2E, splits.chunk,
+        scale * LOG2E,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *splits.o.stride(), *splits.lse.stride(),
         GROUP=H_q // H_kv, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(H_q // H_kv)), D=D, P=P,
         BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
