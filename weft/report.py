@@ -113,7 +113,7 @@ def experiment_table(experiment: str, df: pd.DataFrame) -> str:
     if experiment == "e7":
         header.append("top ops (self ms per tick)")
         for row, ops in zip(rows, df["top_ops"], strict=True):
-            row.append(", ".join(f"{o['op']} {o['self_ms_per_tick']:.2g}" for o in ops[:4]))
+            row.append(", ".join(f"`{op}` {ms:.2g}" for op, ms in charts.op_times(ops).head(4).items()))
     return markdown_table(header, rows)
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from weft.benchmark import charts
 from weft.report import main
 
 SERVING = dict(
@@ -169,3 +170,15 @@ def test_a_newer_cpu_run_does_not_displace_the_gpu_run(tmp_path):
     assert run_report(tmp_path) == 0
     summary = (tmp_path / "out" / "README.md").read_text()
     assert "NVIDIA H200" in summary and "abc123" in summary and "def456" not in summary.split("left out")[0]
+
+
+def test_profiled_kernels_are_named_short_and_summed_by_name():
+    ops = [
+        {"op": "void at::native::elementwise_kernel<128, 4, Mul<float> >(int, Mul<float>)", "self_ms_per_tick": 0.5},
+        {"op": "aten::mm", "self_ms_per_tick": 0.75},
+        {"op": "void at::native::elementwise_kernel<128, 4, Add<float> >(int, Add<float>)", "self_ms_per_tick": 0.5},
+        {"op": "x" * 60, "self_ms_per_tick": 0.1},
+    ]
+    times = charts.op_times(ops)
+    assert list(times.index) == ["elementwise_kernel", "aten::mm", "x" * 39 + "…"]
+    assert list(times) == [1.0, 0.75, 0.1]

@@ -102,10 +102,26 @@ def e6(df: pd.DataFrame) -> Figure:
     return _sweep(df, "block_size", "block size P (tokens)", "attention", (THROUGHPUT, ITL))
 
 
+def short_name(op: str, width: int = 40) -> str:
+    """An op's profiler key without `void`, C++ template arguments and parameters, at most `width`
+    characters: `void at::native::reduce_kernel<512, 1, ...>(...)` -> `reduce_kernel`."""
+    name = op.removeprefix("void ")
+    for stop in "<(":
+        name = name.split(stop, 1)[0]
+    name = name.removeprefix("at::native::")
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def op_times(top_ops: list[dict]) -> pd.Series:
+    """A run's profiled ops -> self ms per tick by short name (kernels that differ only in their
+    template arguments summed), largest first."""
+    ops = pd.DataFrame(top_ops)
+    return ops.groupby(ops["op"].map(short_name))["self_ms_per_tick"].sum().sort_values(ascending=False)
+
 def e7(df: pd.DataFrame) -> Figure:
     fig, axes = _figure(len(df))
     for ax, (_, row) in zip(axes, df.iterrows(), strict=True):
-        ops = pd.DataFrame(row["top_ops"])
+        ops = op_times(row["top_ops"]).reset_index()
         sns.barplot(data=ops, y="op", x="self_ms_per_tick", ax=ax, color="steelblue")
         ax.set_title(row["config"])
         ax.set_xlabel("self time per tick (ms)")

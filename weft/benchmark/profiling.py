@@ -30,3 +30,4 @@ def top_ops(
         {"op": e.key, "calls_per_tick": e.count / n, "self_ms_per_tick": getattr(e, attr) / 1e3 / n}
         for e in events
     ]
+
