@@ -61,7 +61,9 @@ def test_collect_lists_node_ids_or_says_why_not(tmp_path):
     (tmp_path / "test_some.py").write_text(
         "import pytest\n@pytest.mark.parametrize('n', [1, 2])\ndef test_n(n): pass\n"
     )
-    assert app.collect.local([str(tmp_path / "test_some.py")]) == ["test_some.py::test_n[1]", "test_some.py::test_n[2]"]
+    # node ids are relative to the rootdir, which pytest would otherwise take from where the checkout is
+    args = [str(tmp_path / "test_some.py"), f"--rootdir={tmp_path}"]
+    assert app.collect.local(args) == ["test_some.py::test_n[1]", "test_some.py::test_n[2]"]
     (tmp_path / "test_broken.py").write_text("def test_x(:\n")
     with pytest.raises(CollectionError, match="SyntaxError"):
         app.collect.local([str(tmp_path / "test_broken.py")])

@@ -118,6 +118,7 @@ def op_times(top_ops: list[dict]) -> pd.Series:
     ops = pd.DataFrame(top_ops)
     return ops.groupby(ops["op"].map(short_name))["self_ms_per_tick"].sum().sort_values(ascending=False)
 
+
 def e7(df: pd.DataFrame) -> Figure:
     fig, axes = _figure(len(df))
     for ax, (_, row) in zip(axes, df.iterrows(), strict=True):

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 T = TypeVar("T")
@@ -16,18 +17,19 @@ def top_ops(
 ) -> tuple[T, list[dict]]:
     """Runs `fn` under the profiler -> (its result, the `top` ops by self time).
 
-    Self time is device time on CUDA (what the GPU spent in the op's kernels) and CPU time
-    otherwise; each op is reported per tick, with `ticks(result)` the ticks the run took.
+    On CUDA the ops are the GPU's own (kernels, copies) by device time: an `aten::` op's device
+    time is that of the kernels it launched, so listing both would count them twice. Off CUDA
+    they are operators by CPU time. Each is reported per tick, `ticks(result)` the run's ticks.
     """
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         result = fn()
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)[:top]
+    events = [e for e in prof.key_averages() if not cuda or e.device_type == DeviceType.CUDA]
+    events = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:top]
     n = max(ticks(result), 1)
     return result, [
         {"op": e.key, "calls_per_tick": e.count / n, "self_ms_per_tick": getattr(e, attr) / 1e3 / n}
         for e in events
     ]
-
