@@ -32,7 +32,9 @@ def _ratio(df: pd.DataFrame, column: str, unit: str, arrow: str) -> str:
     if STATIC not in values or CONTINUOUS not in values:
         return f"n/a: e4 lacks {STATIC} or {CONTINUOUS}"
     slow, fast = values[STATIC], values[CONTINUOUS]
-    return f"{slow:.3g} {unit} {arrow} {fast:.3g} {unit} ({slow / fast:.2g}×)"
+    ratio = slow / fast
+    shown = f"{ratio:.0f}" if ratio >= 10 else f"{ratio:.2g}"  # 154×, not 1.5e+02×
+    return f"{slow:.3g} {unit} {arrow} {fast:.3g} {unit} ({shown}×)"
 
 
 def _itl_per_backend(df: pd.DataFrame) -> str:
