@@ -182,3 +182,18 @@ def test_profiled_kernels_are_named_short_and_summed_by_name():
     times = charts.op_times(ops)
     assert list(times.index) == ["elementwise_kernel", "aten::mm", "x" * 39 + "…"]
     assert list(times) == [1.0, 0.75, 0.1]
+    assert charts.op_times([]).empty
+
+
+@pytest.mark.parametrize(
+    ("op", "short"),
+    [
+        ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, 4>(int*, int)", "CatArrayBatchedCopy"),
+        ("std::enable_if<!T7, void>::type internal::gemvx::kernel<int, float>(Params<int>)", "internal::gemvx::kernel"),
+        ("Memcpy HtoD (Pageable -> Device)", "Memcpy HtoD"),
+        ("void _split_kernel<4>(float*)", "_split_kernel"),
+        ("_merge_kernel", "_merge_kernel"),
+    ],
+)
+def test_short_names_of_real_profiler_keys(op, short):
+    assert charts.short_name(op) == short

@@ -4,7 +4,7 @@ The runner builds one `AttentionMetadata` per step (flat tensors, shared by all 
 each backend checks it and may derive extra per-step state from it once, in `prepare`, and
 then every layer calls `forward`, which writes this step's K/V into the slab and attends
 over it. A backend whose per-step state has fixed shapes for a given batch size
-(`cuda_graphs`) can have its decode steps captured in CUDA graphs: the runner then calls
+(`cuda_graphs`) can have its decode steps captured in CUDA graphs: `DecodeGraphs` then calls
 `check` on each real step and `plan` once per graph.
 """
 
@@ -33,7 +33,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T_total] int64: cache slot (block * P + offset) of each new token
     query_start_loc: torch.Tensor  # [B+1] int32: prefix sums of T over requests
     context_lens: torch.Tensor  # [B] int32: tokens of request b in the cache once this step has written
-    block_tables: torch.Tensor  # [B, max_blocks] int32: blocks of request b in order, padded with 0
+    block_tables: torch.Tensor  # [B, max_blocks] int32: blocks of request b in order, then any valid block ids
     max_query_len: int  # max T over requests (host int: no device sync needed)
     max_context_len: int  # max context_lens (host int)
     num_decodes: int  # leading requests with T = 1 (host int)

@@ -20,7 +20,7 @@ from weft.config import ModelConfig
 
 @dataclass
 class TritonStep:
-    """Per-step state, built once in `prepare` and used by every layer."""
+    """Per-step state, built once per step (or once per CUDA graph) in `plan` and used by every layer."""
 
     meta: AttentionMetadata
     splits: DecodeSplits | None  # steps with decodes: the split of their contexts and its scratch
@@ -28,7 +28,7 @@ class TritonStep:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    cuda_graphs = True  # `plan` allocates by shape only; the kernels read lengths from device memory
+    cuda_graphs = True  # `plan` needs only host ints; the kernels read every length from device memory
     slab_shape = staticmethod(PagedBackend.slab_shape)
 
     def __init__(

@@ -103,19 +103,28 @@ def e6(df: pd.DataFrame) -> Figure:
 
 
 def short_name(op: str, width: int = 40) -> str:
-    """An op's profiler key without `void`, C++ template arguments and parameters, at most `width`
-    characters: `void at::native::reduce_kernel<512, 1, ...>(...)` -> `reduce_kernel`."""
-    name = op.removeprefix("void ")
-    for stop in "<(":
-        name = name.split(stop, 1)[0]
-    name = name.removeprefix("at::native::")
+    """An op's profiler key without C++ template arguments, return type, parameters and the
+    namespaces every kernel shares, at most `width` characters:
+    `void at::native::reduce_kernel<512, 1, ...>(...)` -> `reduce_kernel`."""
+    depth, kept = 0, []
+    for ch in op:  # drop template arguments, however nested
+        if ch == "<":
+            depth += 1
+        elif ch == ">" and depth:
+            depth -= 1
+        elif not depth:
+            kept.append(ch)
+    name = "".join(kept).replace("(anonymous namespace)::", "").split("(", 1)[0].strip().removeprefix("void ")
+    if "::" in name:
+        name = name.split()[-1].removeprefix("at::native::")  # a C++ signature: the return type goes
+    name = name or op
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
 def op_times(top_ops: list[dict]) -> pd.Series:
     """A run's profiled ops -> self ms per tick by short name (kernels that differ only in their
     template arguments summed), largest first."""
-    ops = pd.DataFrame(top_ops)
+    ops = pd.DataFrame(top_ops, columns=["op", "self_ms_per_tick"])
     return ops.groupby(ops["op"].map(short_name))["self_ms_per_tick"].sum().sort_values(ascending=False)
 
 

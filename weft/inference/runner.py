@@ -36,6 +36,8 @@ class ModelRunner:
         self.model = model
         self.attn = attn
         self.device = device
+        if graphs is not None and graphs.attn is not attn:
+            raise ValueError("the CUDA graphs were captured over another KV pool")
         self.graphs = graphs  # decode steps replayed from CUDA graphs captured over `attn`
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:

@@ -156,7 +156,7 @@ def decode_attention(
     Computes the first B requests, B being the number `splits` was planned for: request b's
     one new token is q row b, and its tokens 0 .. context_lens[b]-1 (int32 [>= B]) sit in
     blocks block_tables[b] (int32 [>= B, max_blocks]). Rows from B on are left alone (a mixed
-    step's prefills); inputs are trusted (the backend's `prepare` validates them).
+    step's prefills); inputs are trusted (the backend's `check` validates them).
     """
     B = splits.lse.shape[0]
     _, H_q, D = q.shape

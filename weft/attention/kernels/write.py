@@ -20,13 +20,14 @@ def _write_kernel(
     ROW: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = t.to(tl.int64)  # a large prefill's qkv rows reach past 2**31 elements
     slot = tl.load(slots_ptr + t, mask=t < T, other=-1)
     col = tl.arange(0, BLOCK_ROW)
     ok = (slot >= 0)[:, None] & (col < ROW)[None, :]
     dst = slot[:, None] * ROW + col[None, :]  # a slot's H_kv * D values are contiguous in the cache
-    k = tl.load(k_ptr + t[:, None] * stride_kt + col[None, :], mask=ok)
+    k = tl.load(k_ptr + rows[:, None] * stride_kt + col[None, :], mask=ok)
     tl.store(k_cache_ptr + dst, k, mask=ok)
-    v = tl.load(v_ptr + t[:, None] * stride_vt + col[None, :], mask=ok)
+    v = tl.load(v_ptr + rows[:, None] * stride_vt + col[None, :], mask=ok)
     tl.store(v_cache_ptr + dst, v, mask=ok)
 
 
@@ -39,6 +40,7 @@ def write_kv(
     for x in (k, v):
         assert x.stride(2) == 1 and x.stride(1) == D, "each token's K/V row must be contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert slot_mapping.shape == (T,) and slot_mapping.is_contiguous()
     row = H_kv * D
     _write_kernel[(triton.cdiv(T, BLOCK_T),)](
         k, v, slot_mapping, k_cache, v_cache, T, k.stride(0), v.stride(0),
