@@ -47,12 +47,12 @@ def _split_kernel(
     h_kv = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + b)
-    # Each request splits its own context evenly, in whole tiles: a short request's programs
-    # finish early, and the grid need not depend on this step's longest context (a CUDA graph
-    # fixes the grid at capture).
-    chunk = tl.cdiv(tl.cdiv(context_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, context_len)
+    # Each request deals its own context's tiles out to the splits, no split more than one tile
+    # over another: a short request's programs finish early, and the grid need not depend on
+    # this step's longest context (a CUDA graph fixes the grid at capture).
+    tiles = tl.cdiv(context_len, BLOCK_N)
+    lo = split * tiles // tl.num_programs(2) * BLOCK_N
+    hi = tl.minimum((split + 1) * tiles // tl.num_programs(2) * BLOCK_N, context_len)
 
     rows = tl.arange(0, GROUP_ROWS)
     row_ok = rows < GROUP
