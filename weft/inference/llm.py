@@ -76,7 +76,7 @@ class LLM:
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         self._hf_model = loaded.hf_model
-        self.model = build_model(cfg).to(device=self.device, dtype=self.dtype).eval()
+        self.model = build_model(cfg, self.dtype, self.device)
         load_hf_weights(self.model, loaded.hf_model.state_dict())
         eos = loaded.hf_model.generation_config.eos_token_id
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)

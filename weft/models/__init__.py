@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from weft.config import ModelConfig
 from weft.models.llama import LlamaForCausalLM
 from weft.models.qwen3 import Qwen3ForCausalLM
@@ -9,5 +11,17 @@ from weft.models.qwen3 import Qwen3ForCausalLM
 MODELS: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
 
 
-def build_model(cfg: ModelConfig) -> LlamaForCausalLM:
-    return MODELS[cfg.arch](cfg)
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """`cfg`'s model in `dtype` on `device`, in eval mode, its weights placeholders to load into.
+
+    Parameters are created where and as they will live: initializing a 4B model in float32 on the
+    host and then moving it took about 40 s of every H200 benchmark case.
+    """
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = MODELS[cfg.arch](cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.to(dtype).eval()  # buffers built in float32 on purpose (rotary tables) follow too
