@@ -7,6 +7,7 @@ import torch
 
 from tests.kernels.paged_case import assert_matches, make_case, reference
 from weft.attention.kernels import DecodeSplits, decode_attention
+from weft.attention.kernels.decode import best_num_splits, resident_programs
 
 pytestmark = pytest.mark.kernels
 gpu = pytest.mark.gpu
@@ -30,8 +31,9 @@ GPU_CASES += [(4, 128, 16, torch.float16), (4, 128, 16, torch.float32), (1, 64, 
 
 def run_decode(case, num_splits: int | None) -> torch.Tensor:
     B, H_q, D = case.q.shape
+    _, P, H_kv, _ = case.k_cache.shape
     splits = DecodeSplits.plan(
-        B, H_q, case.k_cache.shape[2], D, int(case.context_lens.max()), case.q.device, num_splits
+        B, H_q, H_kv, D, P, case.q.dtype, int(case.context_lens.max()), case.q.device, num_splits
     )
     splits.o.fill_(float("nan"))
     splits.lse.fill_(float("nan"))
@@ -63,3 +65,28 @@ def test_decode_single_request_splits(device):
     ref = reference(case, 128**-0.5)
     for num_splits in (None, 1, 7, 1000):
         assert_matches(run_decode(case, num_splits), ref)
+
+
+@pytest.mark.parametrize(
+    ("pairs", "tiles", "slots", "expected"),
+    [
+        (64, 64, 660, 10),  # B=8, S=4096 on the H200 (5 programs per SM): one wave of 640, 7 tiles each
+        (64, 128, 660, 10),  # S=8192: 13 tiles each
+        (64, 32, 660, 8),  # S=2048: 8 and 10 splits both take 4 tiles; fewer splits win the tie
+        (512, 32, 660, 1),  # B=64: one split per program already fills the GPU about once
+        (8, 3, 660, 3),  # never more splits than tiles
+        (64, 64, 1, 1),  # the interpreter: one program at a time, splitting gains nothing
+    ],
+)
+def test_best_num_splits(pairs, tiles, slots, expected):
+    assert best_num_splits(pairs, tiles, slots) == expected
+
+
+@gpu
+def test_resident_programs(device):
+    """The split kernel's occupancy comes from its compiled resources: whole programs on every SM."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    slots = resident_programs(device, torch.bfloat16, 16, 8, 128, 16)
+    assert slots % sms == 0 and 1 <= slots // sms <= 64
+    # float32 tiles take twice the shared memory: never more programs fit than in bfloat16
+    assert resident_programs(device, torch.float32, 16, 8, 128, 16) <= slots

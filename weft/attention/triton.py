@@ -42,8 +42,10 @@ class TritonBackend(AttentionBackend):
         splits = None
         if meta.num_decodes:
             cfg = self.cfg
+            cache = self.kv_cache
             splits = DecodeSplits.plan(
-                meta.num_decodes, cfg.H_q, cfg.H_kv, cfg.D, meta.max_context_len, self.kv_cache.device
+                meta.num_decodes, cfg.H_q, cfg.H_kv, cfg.D, self.block_size, cache.dtype, meta.max_context_len,
+                cache.device,
             )
         return TritonStep(meta, splits)
 

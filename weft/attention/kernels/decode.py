@@ -1,9 +1,11 @@
 """Split-KV flash-decoding over the paged cache: one new query token per request.
 
-The first kernel runs one program per (request b, KV head, split of the context): it reads
-each K/V token of its split once for the KV head's whole group of H_q / H_kv query heads
-(padded to the 16 rows tl.dot needs) and leaves that split's normalized output and
-log2-sum-exp. The second kernel merges the splits of each query head. Splitting the
+One kernel, one program per (request b, KV head, split of the context): it reads each K/V
+token of its split once for the KV head's whole group of H_q / H_kv query heads (padded to
+the 16 rows tl.dot needs) and leaves that split's normalized output and log2-sum-exp. The
+last split of a (request, KV head) to finish merges them all, counted by an atomic arrival
+counter: no second kernel, whose launch and extra round trips cost about 6% of the copy
+bandwidth at S = 4096 on the H200 (results/logs/h200_decode_splits.txt). Splitting the
 context is what keeps all SMs busy when B * H_kv is small.
 """
 
@@ -19,40 +21,42 @@ import triton.language as tl
 from weft.attention.kernels.tiles import LOG2E, softmax_step, token_offsets
 
 BLOCK_N = 64  # context tokens per tile
-# 4, not 2: in this two-kernel form 2 warps measured the same in bf16 (e3 runs 0001 vs 0004), while
-# e5 in float32 fell from 1197 to 494 output tok/s with them (results/logs; likely register spills:
-# a float32 K or V tile is 128 registers per thread over 64 threads). 2 won the H200 sweep only in a
-# fused-merge variant (results/logs/h200_kernel_sweep.txt).
+# 4, not 2: 2 warps measured the same in bf16 (e3 runs 0001 vs 0004, results/logs/h200_decode_splits.txt),
+# while e5 in float32 fell from 1197 to 494 output tok/s with them (likely register spills: a float32
+# K or V tile is 128 registers per thread over 64 threads).
 NUM_WARPS = 4
 NUM_STAGES = 2
-WAVES = 4  # aim for this many programs per SM, so the memory system has enough loads in flight
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
-SPLIT_TILE = 16  # splits the merge kernel reads at a time
+PROGRAM_COST_TILES = 2  # a program's fixed cost, in tiles' time (best_num_splits)
+MERGE_ELEMENTS = 2048  # float32 values of the splits' outputs the merge reads at a time
 
 
-# The block table's width (here) and the number of splits (the merge) change from step to step:
-# not specialized on, so a serving run compiles each kernel once per shape, not again mid-run.
-@triton.jit(do_not_specialize=["stride_table"])
+# The block table's width and the number of splits (the scratch's strides) change from step to
+# step: not specialized on, so a serving run compiles the kernel once per shape, not again mid-run.
+@triton.jit(do_not_specialize=["stride_table", "stride_lb", "stride_lh"])
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, context_lens_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, context_lens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
     scale_log2,
     stride_qb, stride_qh, stride_qd,
     stride_kn, stride_kp, stride_kh, stride_kd,
     stride_table,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
-    GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_xb, stride_xh, stride_xd,
+    GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_TILE: tl.constexpr,
+    D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     h_kv = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     context_len = tl.load(context_lens_ptr + b)
     # Each request deals its own context's tiles out to the splits, no split more than one tile
     # over another: a short request's programs finish early, and the grid need not depend on
     # this step's longest context (a CUDA graph fixes the grid at capture).
     tiles = tl.cdiv(context_len, BLOCK_N)
-    lo = split * tiles // tl.num_programs(2) * BLOCK_N
-    hi = tl.minimum((split + 1) * tiles // tl.num_programs(2) * BLOCK_N, context_len)
+    lo = split * tiles // num_splits * BLOCK_N
+    hi = tl.minimum((split + 1) * tiles // num_splits * BLOCK_N, context_len)
 
     rows = tl.arange(0, GROUP_ROWS)
     row_ok = rows < GROUP
@@ -82,69 +86,131 @@ def _split_kernel(
     lse_rows = lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls
     tl.store(lse_rows, m + tl.log2(row_sum), mask=row_ok)
 
+    # Every thread's stores are issued before the arrival counts (bar.sync), and the counter's
+    # acquire-release makes the last arrival see all of them.
+    tl.debug_barrier()
+    arrivals = arrivals_ptr + b * tl.num_programs(1) + h_kv
+    if tl.atomic_add(arrivals, 1, sem="acq_rel") == num_splits - 1:
+        _merge(
+            o_ptr + b * stride_ob, lse_ptr + b * stride_lb, out_ptr + b * stride_xb, h_kv * GROUP, num_splits,
+            stride_oh, stride_os, stride_od, stride_lh, stride_ls, stride_xh, stride_xd,
+            GROUP, GROUP_P2, MERGE_TILE, D,
+        )
+        tl.store(arrivals, 0)  # ready for the next layer's launch
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_kernel(
-    o_part_ptr, lse_ptr, out_ptr, num_splits,
-    stride_pb, stride_ph, stride_ps, stride_pd,
-    stride_lb, stride_lh, stride_ls,
-    stride_ob, stride_oh, stride_od,
-    D: tl.constexpr, SPLIT_TILE: tl.constexpr,
+
+@triton.jit
+def _merge(
+    o_ptr, lse_ptr, out_ptr, first_head, num_splits,
+    stride_oh, stride_os, stride_od, stride_lh, stride_ls, stride_xh, stride_xd,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_TILE: tl.constexpr, D: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    lse_row = lse_ptr + b * stride_lb + h * stride_lh
-    # Two passes, a few splits at a time (registers stay bounded however many there are): the
-    # largest log-sum-exp, then the outputs weighed relative to it.
-    m = tl.full([SPLIT_TILE], float("-inf"), tl.float32)
-    for first in range(0, num_splits, SPLIT_TILE):
-        t = first + tl.arange(0, SPLIT_TILE)
-        m = tl.maximum(m, tl.load(lse_row + t * stride_ls, mask=t < num_splits, other=float("-inf")))
-    lse_max = tl.max(m, 0)
-    parts = o_part_ptr + b * stride_pb + h * stride_ph
+    """out[h] = the splits' outputs o [h, s, :] weighed by exp2(lse[h, s]), for one request's
+    GROUP heads from first_head; MERGE_TILE splits at a time, rescaled online."""
+    g = tl.arange(0, GROUP_P2)
+    heads = first_head + g
     d = tl.arange(0, D)
-    acc = tl.zeros([D], tl.float32)
-    weights = tl.zeros([SPLIT_TILE], tl.float32)
-    for first in range(0, num_splits, SPLIT_TILE):
-        t = first + tl.arange(0, SPLIT_TILE)
-        t_ok = t < num_splits
-        w = tl.exp2(tl.load(lse_row + t * stride_ls, mask=t_ok, other=float("-inf")) - lse_max)
-        o = tl.load(parts + t[:, None] * stride_ps + d[None, :] * stride_pd, mask=t_ok[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
-        weights += w
-    out = acc / tl.sum(weights, 0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty))
+    # finite, not -inf: a tile of empty splits (lse -inf) then weighs 0 instead of making NaN
+    m = tl.full([GROUP_P2], -1e30, tl.float32)
+    weights = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, D], tl.float32)
+    for first in range(0, num_splits, MERGE_TILE):
+        t = first + tl.arange(0, MERGE_TILE)
+        ok = (g < GROUP)[:, None] & (t < num_splits)[None, :]
+        # .cg: from L2, where the other programs' stores are; this SM's L1 may hold an earlier layer's
+        lse = tl.load(
+            lse_ptr + heads[:, None] * stride_lh + t[None, :] * stride_ls, mask=ok, other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        o_part = o_ptr + heads[:, None, None] * stride_oh + t[None, :, None] * stride_os + d[None, None, :] * stride_od
+        o = tl.load(o_part, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new[:, None])  # [GROUP_P2, MERGE_TILE]
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        weights = weights * alpha + tl.sum(w, 1)
+        m = m_new
+    out = out_ptr + heads[:, None] * stride_xh + d[None, :] * stride_xd
+    tl.store(out, (acc / weights[:, None]).to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
 
 
 @dataclass
 class DecodeSplits:
-    """How many splits one decode step cuts each request's context into, and the scratch they write.
+    """How many splits one decode step cuts each request's context into, and the scratch they use.
 
     Built once per step (or once per CUDA graph) and shared by all L layers.
     """
 
     o: torch.Tensor  # [B, H_q, num_splits, D] float32: each split's normalized output
     lse: torch.Tensor  # [B, H_q, num_splits] float32: log2-sum-exp of each split's scaled scores
+    arrivals: torch.Tensor  # [B, H_kv] int32: splits finished so far; 0 between launches
 
     @classmethod
     def plan(
-        cls, B: int, H_q: int, H_kv: int, D: int, max_context_len: int, device: torch.device,
-        num_splits: int | None = None,
+        cls, B: int, H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype, max_context_len: int,
+        device: torch.device, num_splits: int | None = None,
     ) -> DecodeSplits:
-        """`num_splits` defaults to enough programs to fill the GPU WAVES times, but no more
-        splits than the longest context has tiles."""
+        """`num_splits` defaults to the count that should finish soonest on this GPU (`best_num_splits`)."""
         if num_splits is None:
-            num_splits = min(triton.cdiv(WAVES * _num_sms(device), B * H_kv), triton.cdiv(max_context_len, BLOCK_N))
+            slots = resident_programs(device, dtype, H_q, H_kv, D, P)
+            num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, BLOCK_N), slots)
         o = torch.empty(B, H_q, num_splits, D, dtype=torch.float32, device=device)
         lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=device)
-        return cls(o, lse)
+        return cls(o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
+    """Splits per (request, KV head) for `pairs` of them, `tiles` tiles long, when the GPU runs
+    `slots` programs at once.
+
+    The programs run in waves of `slots`, each wave as long as its longest program: its tiles
+    (tiles / splits, rounded up) plus a fixed cost of about PROGRAM_COST_TILES (start, query, first
+    load's latency, storing its part). The count with the fewest waves x that finishes first; ties
+    go to fewer splits, which leave less to merge. On the H200 this picks what its sweep measured
+    best: one wave of 8-10 splits at B=8, S=4096; one split at B=64 (results/logs/h200_decode_splits.txt).
+    """
+
+    def cost(n: int) -> tuple[int, int]:
+        return triton.cdiv(pairs * n, slots) * (triton.cdiv(tiles, n) + PROGRAM_COST_TILES), n
+
+    return min(range(1, tiles + 1), key=cost)
+
+
+def _constexprs(H_q: int, H_kv: int, D: int, P: int) -> dict[str, int]:
+    """The kernel's compile-time parameters for one shape (the same whatever the split count)."""
+    group = H_q // H_kv
+    group_p2 = triton.next_power_of_2(group)
+    return dict(
+        GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, group_p2), GROUP_P2=group_p2,
+        MERGE_TILE=max(1, MERGE_ELEMENTS // (group_p2 * D)), D=D, P=P, BLOCK_N=BLOCK_N,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+
+
+@functools.cache
+def resident_programs(device: torch.device, dtype: torch.dtype, H_q: int, H_kv: int, D: int, P: int) -> int:
+    """How many programs of the kernel the GPU holds at once: SMs x programs per SM, as the compiled
+    kernel's shared memory and registers allow. 1 under Triton's interpreter (one at a time)."""
     if device.type != "cuda":
-        return 1  # Triton's interpreter runs programs one by one
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        return 1
+    # Placeholders with the real strides' divisibility (all that Triton specializes on here): a
+    # contiguous q [B, H_q, D], cache [N, P, H_kv, D], scratch and output.
+    f32, i32 = torch.float32, torch.int32
+    kernel = _split_kernel.warmup(
+        dtype, dtype, dtype, i32, i32, f32, f32, i32, dtype, 1.0,
+        H_q * D, D, 1, P * H_kv * D, H_kv * D, D, 1, 1, 16 * D, 16 * D, D, 1, 16, 16, 1, H_q * D, D, 1,
+        grid=(1,), **_constexprs(H_q, H_kv, D, P),
+    )
+    kernel._init_handles()  # loads the binary: its register count is known from here
+    props = torch.cuda.get_device_properties(device)
+    threads = 32 * NUM_WARPS
+    per_sm = min(
+        props.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024),  # CUDA keeps 1 KB per block
+        props.regs_per_multiprocessor // (kernel.n_regs * threads),
+        props.max_threads_per_multi_processor // threads,
+    )
+    return max(1, per_sm) * props.multi_processor_count
 
 
 def decode_attention(
@@ -158,20 +224,14 @@ def decode_attention(
     blocks block_tables[b] (int32 [>= B, max_blocks]). Rows from B on are left alone (a mixed
     step's prefills); inputs are trusted (the backend's `check` validates them).
     """
-    B = splits.lse.shape[0]
+    B, H_kv = splits.arrivals.shape
     _, H_q, D = q.shape
-    _, P, H_kv, _ = k_cache.shape
+    _, P, _, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride()
-    num_splits = splits.lse.shape[2]
-    _split_kernel[(B, H_kv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, splits.o, splits.lse,
+    _split_kernel[(B, H_kv, splits.lse.shape[2])](
+        q, k_cache, v_cache, block_tables, context_lens, splits.o, splits.lse, splits.arrivals, out,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *splits.o.stride(), *splits.lse.stride(),
-        GROUP=H_q // H_kv, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(H_q // H_kv)), D=D, P=P,
-        BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )
-    _merge_kernel[(B, H_q)](
-        splits.o, splits.lse, out, num_splits, *splits.o.stride(), *splits.lse.stride(), *out.stride(),
-        D=D, SPLIT_TILE=SPLIT_TILE,
+        *out.stride(), **_constexprs(H_q, H_kv, D, P),
     )
     return out
