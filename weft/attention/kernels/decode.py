@@ -4,7 +4,7 @@ One kernel, one program per (request b, KV head, split of the context): it reads
 token of its split once for the KV head's whole group of H_q / H_kv query heads (padded to
 the 16 rows tl.dot needs) and leaves that split's normalized output and log2-sum-exp. The
 last split of a (request, KV head) to finish merges them all, counted by an atomic arrival
-counter: no second kernel, whose launch and extra round trips cost about 6% of the copy
+counter: no second kernel, whose launch and round trips cost 1.5 to 2.7 points of the copy
 bandwidth at S = 4096 on the H200 (results/logs/h200_decode_splits.txt). Splitting the
 context is what keeps all SMs busy when B * H_kv is small.
 """
@@ -21,9 +21,9 @@ import triton.language as tl
 from weft.attention.kernels.tiles import LOG2E, softmax_step, token_offsets
 
 BLOCK_N = 64  # context tokens per tile
-# 4, not 2: 2 warps measured the same in bf16 (e3 runs 0001 vs 0004, results/logs/h200_decode_splits.txt),
-# while e5 in float32 fell from 1197 to 494 output tok/s with them (likely register spills: a float32
-# K or V tile is 128 registers per thread over 64 threads).
+# 4, not 2: 2 warps measured the same in bf16 (results/logs/h200_decode_splits.txt), while e5 in
+# float32 fell from 1197 to 494 output tok/s with them (likely register spills: a float32 K or V
+# tile is 128 registers per thread over 64 threads).
 NUM_WARPS = 4
 NUM_STAGES = 2
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
