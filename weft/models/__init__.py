@@ -15,13 +15,15 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> L
     """`cfg`'s model in `dtype` on `device`, in eval mode, its weights placeholders to load into.
 
     Parameters are created where and as they will live: initializing a 4B model in float32 on the
-    host and then moving it took about 40 s of every H200 benchmark case.
+    host and then moving it took about 40 s of every H200 benchmark case. Not thread-safe: the
+    default dtype is the process's while the model is built.
     """
+    model_cls = MODELS[cfg.arch]
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = MODELS[cfg.arch](cfg)
+            model = model_cls(cfg)
     finally:
         torch.set_default_dtype(default)
     return model.to(dtype).eval()  # buffers built in float32 on purpose (rotary tables) follow too

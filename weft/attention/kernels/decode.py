@@ -31,8 +31,9 @@ PROGRAM_COST_TILES = 2  # a program's fixed cost, in tiles' time (best_num_split
 MERGE_ELEMENTS = 2048  # float32 values of the splits' outputs the merge reads at a time
 
 
-# The block table's width and the number of splits (the scratch's strides) change from step to
-# step: not specialized on, so a serving run compiles the kernel once per shape, not again mid-run.
+# The block table's width and the number of splits change from step to step: the strides they set
+# are not specialized on (those of o stay multiples of D, a power of two >= 16, whatever the split
+# count), so a serving run compiles the kernel once per shape, not again mid-run.
 @triton.jit(do_not_specialize=["stride_table", "stride_lb", "stride_lh"])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, context_lens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
@@ -117,7 +118,7 @@ def _merge(
     for first in range(0, num_splits, MERGE_TILE):
         t = first + tl.arange(0, MERGE_TILE)
         ok = (g < GROUP)[:, None] & (t < num_splits)[None, :]
-        # .cg: from L2, where the other programs' stores are; this SM's L1 may hold an earlier layer's
+        # .cg: straight from L2, where the other programs' stores land; nothing here is read twice
         lse = tl.load(
             lse_ptr + heads[:, None] * stride_lh + t[None, :] * stride_ls, mask=ok, other=float("-inf"),
             cache_modifier=".cg",
@@ -130,6 +131,7 @@ def _merge(
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
         weights = weights * alpha + tl.sum(w, 1)
         m = m_new
+    weights = tl.where(g < GROUP, weights, 1.0)  # the padding rows' 0: no 0 / 0 computed
     out = out_ptr + heads[:, None] * stride_xh + d[None, :] * stride_xd
     tl.store(out, (acc / weights[:, None]).to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
 
@@ -159,22 +161,24 @@ class DecodeSplits:
         return cls(o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)
 def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     """Splits per (request, KV head) for `pairs` of them, `tiles` tiles long, when the GPU runs
     `slots` programs at once.
 
     The programs run in waves of `slots`, each wave as long as its longest program: its tiles
     (tiles / splits, rounded up) plus a fixed cost of about PROGRAM_COST_TILES (start, query, first
-    load's latency, storing its part). The count with the fewest waves x that finishes first; ties
-    go to fewer splits, which leave less to merge. On the H200 this picks what its sweep measured
-    best: one wave of 8-10 splits at B=8, S=4096; one split at B=64 (results/logs/h200_decode_splits.txt).
+    load's latency, storing its part). The count whose waves x program length is least finishes
+    first; ties go to fewer splits, which leave less to merge. Splitting never goes past one wave:
+    a CUDA graph plans for the longest context the table holds, and extra splits that pay off
+    there cost 5-8% at B=64 on the contexts actually served. On the H200 this picks what its
+    sweep measured best: 10 splits at B=8, S=4096; one at B=64 (results/logs/h200_decode_splits.txt).
     """
 
     def cost(n: int) -> tuple[int, int]:
         return triton.cdiv(pairs * n, slots) * (triton.cdiv(tiles, n) + PROGRAM_COST_TILES), n
 
-    return min(range(1, tiles + 1), key=cost)
+    return min(range(1, max(1, min(tiles, slots // pairs)) + 1), key=cost)
 
 
 def _constexprs(H_q: int, H_kv: int, D: int, P: int) -> dict[str, int]:
@@ -189,25 +193,34 @@ def _constexprs(H_q: int, H_kv: int, D: int, P: int) -> dict[str, int]:
 
 
 @functools.cache
+def compiled_kernel(device: torch.device, dtype: torch.dtype, H_q: int, H_kv: int, D: int, P: int):
+    """The kernel as compiled and loaded for one shape on a CUDA device (Triton's CompiledKernel)."""
+    # Placeholders with the real strides' divisibility (all that Triton specializes on here): a
+    # contiguous q [B, H_q, D], cache [N, P, H_kv, D], scratch and output.
+    f32, i32 = torch.float32, torch.int32
+    with torch.cuda.device(device):  # Triton compiles and loads for the current device
+        kernel = _split_kernel.warmup(
+            dtype, dtype, dtype, i32, i32, f32, f32, i32, dtype, 1.0,
+            H_q * D, D, 1, P * H_kv * D, H_kv * D, D, 1, 1, 16 * D, 16 * D, D, 1, 16, 16, 1, H_q * D, D, 1,
+            grid=(1,), **_constexprs(H_q, H_kv, D, P),
+        )
+        kernel._init_handles()  # loads the binary: its register count is known from here
+    return kernel
+
+
+@functools.cache
 def resident_programs(device: torch.device, dtype: torch.dtype, H_q: int, H_kv: int, D: int, P: int) -> int:
     """How many programs of the kernel the GPU holds at once: SMs x programs per SM, as the compiled
     kernel's shared memory and registers allow. 1 under Triton's interpreter (one at a time)."""
     if device.type != "cuda":
         return 1
-    # Placeholders with the real strides' divisibility (all that Triton specializes on here): a
-    # contiguous q [B, H_q, D], cache [N, P, H_kv, D], scratch and output.
-    f32, i32 = torch.float32, torch.int32
-    kernel = _split_kernel.warmup(
-        dtype, dtype, dtype, i32, i32, f32, f32, i32, dtype, 1.0,
-        H_q * D, D, 1, P * H_kv * D, H_kv * D, D, 1, 1, 16 * D, 16 * D, D, 1, 16, 16, 1, H_q * D, D, 1,
-        grid=(1,), **_constexprs(H_q, H_kv, D, P),
-    )
-    kernel._init_handles()  # loads the binary: its register count is known from here
+    kernel = compiled_kernel(device, dtype, H_q, H_kv, D, P)
     props = torch.cuda.get_device_properties(device)
     threads = 32 * NUM_WARPS
+    regs = -(-kernel.n_regs // 8) * 8  # registers are allocated 256 per warp at a time
     per_sm = min(
         props.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024),  # CUDA keeps 1 KB per block
-        props.regs_per_multiprocessor // (kernel.n_regs * threads),
+        props.regs_per_multiprocessor // (regs * threads),
         props.max_threads_per_multi_processor // threads,
     )
     return max(1, per_sm) * props.multi_processor_count
@@ -227,7 +240,7 @@ def decode_attention(
     B, H_kv = splits.arrivals.shape
     _, H_q, D = q.shape
     _, P, _, _ = k_cache.shape
-    assert k_cache.stride() == v_cache.stride()
+    assert k_cache.stride() == v_cache.stride() and k_cache.shape[2] == H_kv and splits.arrivals.is_contiguous()
     _split_kernel[(B, H_kv, splits.lse.shape[2])](
         q, k_cache, v_cache, block_tables, context_lens, splits.o, splits.lse, splits.arrivals, out,
         scale * LOG2E,
