@@ -4,7 +4,7 @@ One kernel, one program per (request b, KV head, split of the context): it reads
 token of its split once for the KV head's whole group of H_q / H_kv query heads (padded to
 the 16 rows tl.dot needs) and leaves that split's normalized output and log2-sum-exp. The
 last split of a (request, KV head) to finish merges them all, counted by an atomic arrival
-counter: no second kernel, whose launch and round trips cost 1.5 to 2.7 points of the copy
+counter: no second kernel, whose launch and round trips cost 1.4 to 2.7 points of the copy
 bandwidth at S = 4096 on the H200 (results/logs/h200_decode_splits.txt). Splitting the
 context is what keeps all SMs busy when B * H_kv is small.
 """
