@@ -27,7 +27,6 @@ BLOCK_N = 64  # context tokens per tile
 NUM_WARPS = 4
 NUM_STAGES = 2
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
-PROGRAM_COST_TILES = 2  # a program's fixed cost, in tiles' time (best_num_splits)
 MERGE_ELEMENTS = 2048  # float32 values of the splits' outputs the merge reads at a time
 
 
@@ -161,24 +160,18 @@ class DecodeSplits:
         return cls(o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
 
 
-@functools.lru_cache(maxsize=4096)
 def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     """Splits per (request, KV head) for `pairs` of them, `tiles` tiles long, when the GPU runs
     `slots` programs at once.
 
-    The programs run in waves of `slots`, each wave as long as its longest program: its tiles
-    (tiles / splits, rounded up) plus a fixed cost of about PROGRAM_COST_TILES (start, query, first
-    load's latency, storing its part). The count whose waves x program length is least finishes
-    first; ties go to fewer splits, which leave less to merge. Splitting never goes past one wave:
-    a CUDA graph plans for the longest context the table holds, and extra splits that pay off
-    there cost 5-8% at B=64 on the contexts actually served. On the H200 this picks what its
-    sweep measured best: 10 splits at B=8, S=4096; one at B=64 (results/logs/h200_decode_splits.txt).
+    As many as fit in one wave (a second wave costs a whole program's time: 10 splits of 640
+    programs ran at 80.5% of copy on the H200, 12 splits of 768 at 68.9%; and a CUDA graph plans
+    for the longest context the table holds, where extra waves cost 5-8% at B=64 on the contexts
+    actually served), then the fewest that keep the longest program as short: they leave less
+    to merge. 10 splits at B=8, S=4096; 8 at S=2048; one at B=64 (results/logs/h200_decode_splits.txt).
     """
-
-    def cost(n: int) -> tuple[int, int]:
-        return triton.cdiv(pairs * n, slots) * (triton.cdiv(tiles, n) + PROGRAM_COST_TILES), n
-
-    return min(range(1, max(1, min(tiles, slots // pairs)) + 1), key=cost)
+    most = max(1, min(tiles, slots // pairs))
+    return triton.cdiv(tiles, triton.cdiv(tiles, most))
 
 
 def _constexprs(H_q: int, H_kv: int, D: int, P: int) -> dict[str, int]:
