@@ -33,10 +33,10 @@ MERGE_ELEMENTS = 2048  # float32 values of the splits' outputs the merge reads a
 # The block table's width and the number of splits change from step to step: the strides they set
 # are not specialized on (those of o stay multiples of D, a power of two >= 16, whatever the split
 # count), so a serving run compiles the kernel once per shape, not again mid-run.
-@triton.jit(do_not_specialize=["stride_table", "stride_lb", "stride_lh"])
+@triton.jit(do_not_specialize=["stride_table", "stride_lb", "stride_lh", "table_tokens"])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, context_lens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
-    scale_log2,
+    scale_log2, table_tokens,
     stride_qb, stride_qh, stride_qd,
     stride_kn, stride_kp, stride_kh, stride_kd,
     stride_table,
@@ -50,13 +50,17 @@ def _split_kernel(
     h_kv = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    # Split s takes tiles s, s + num_splits, s + 2 * num_splits, ... of its request's context: no
+    # split gets more than one tile over another, a short request's programs finish early, and the
+    # grid need not depend on this step's longest context (a CUDA graph fixes the grid at capture).
+    # A split's first tile is known before its context length: its block table entries are fetched
+    # alongside the length instead of after it, and each tile's entries one tile ahead (the table
+    # row, `table_tokens` long, is read only inside its bounds).
+    first = split * BLOCK_N
+    step = num_splits * BLOCK_N
+    table = table_ptr + b * stride_table
+    offs = token_offsets(table, first, table_tokens, stride_kn, stride_kp, P, BLOCK_N)
     context_len = tl.load(context_lens_ptr + b)
-    # Each request deals its own context's tiles out to the splits, no split more than one tile
-    # over another: a short request's programs finish early, and the grid need not depend on
-    # this step's longest context (a CUDA graph fixes the grid at capture).
-    tiles = tl.cdiv(context_len, BLOCK_N)
-    lo = split * tiles // num_splits * BLOCK_N
-    hi = tl.minimum((split + 1) * tiles // num_splits * BLOCK_N, context_len)
 
     rows = tl.arange(0, GROUP_ROWS)
     row_ok = rows < GROUP
@@ -68,14 +72,13 @@ def _split_kernel(
     m = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_ROWS], tl.float32)
     acc = tl.zeros([GROUP_ROWS, D], tl.float32)
-    table = table_ptr + b * stride_table
     head_k = k_ptr + h_kv * stride_kh
     head_v = v_ptr + h_kv * stride_kh
-    for start in range(lo, hi, BLOCK_N):
-        offs = token_offsets(table, start, hi, stride_kn, stride_kp, P, BLOCK_N)
-        ok = start + tl.arange(0, BLOCK_N) < hi
+    for start in range(first, context_len, step):
+        ok = start + tl.arange(0, BLOCK_N) < context_len
         k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=ok[:, None], other=0.0)
         v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=ok[:, None], other=0.0)
+        offs = token_offsets(table, start + step, table_tokens, stride_kn, stride_kp, P, BLOCK_N)
         m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, ok[None, :])
 
     # An empty split (past a short request's end) has acc = 0, row_sum = 0, m = -inf: it stores
@@ -164,14 +167,17 @@ def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     """Splits per (request, KV head) for `pairs` of them, `tiles` tiles long, when the GPU runs
     `slots` programs at once.
 
-    As many as fit in one wave (a second wave costs a whole program's time: 10 splits of 640
-    programs ran at 80.5% of copy on the H200, 12 splits of 768 at 68.9%; and a CUDA graph plans
-    for the longest context the table holds, where extra waves cost 5-8% at B=64 on the contexts
-    actually served), then the fewest that keep the longest program as short: they leave less
-    to merge. 10 splits at B=8, S=4096; 8 at S=2048; one at B=64 (results/logs/h200_decode_splits.txt).
+    Enough programs to keep the memory busy (at least half a wave: on the H200 256 programs read
+    at 75% of copy, 384 to 640 at 80-81%), never more than one wave (a second costs a whole
+    program's time: 768 programs ran at 69%), and within that the count that deals the tiles
+    most evenly: a split with a tile more than the rest reads it when few programs are left,
+    at the memory's latency rather than its bandwidth (64 tiles over 9 splits ran 2-3 points
+    below 8 splits; results/logs/h200_decode_splits.txt). Ties go to more splits.
+    8 splits at B=8 for S = 2048 ... 32768 on the H200; one at B=64.
     """
     most = max(1, min(tiles, slots // pairs))
-    return triton.cdiv(tiles, triton.cdiv(tiles, most))
+    least = min(most, -(-slots // (2 * pairs)))
+    return max(range(least, most + 1), key=lambda n: (tiles / (n * -(-tiles // n)), n))
 
 
 def _constexprs(H_q: int, H_kv: int, D: int, P: int) -> dict[str, int]:
@@ -193,7 +199,7 @@ def compiled_kernel(device: torch.device, dtype: torch.dtype, H_q: int, H_kv: in
     f32, i32 = torch.float32, torch.int32
     with torch.cuda.device(device):  # Triton compiles and loads for the current device
         kernel = _split_kernel.warmup(
-            dtype, dtype, dtype, i32, i32, f32, f32, i32, dtype, 1.0,
+            dtype, dtype, dtype, i32, i32, f32, f32, i32, dtype, 1.0, 1,
             H_q * D, D, 1, P * H_kv * D, H_kv * D, D, 1, 1, 16 * D, 16 * D, D, 1, 16, 16, 1, H_q * D, D, 1,
             grid=(1,), **_constexprs(H_q, H_kv, D, P),
         )
@@ -236,7 +242,7 @@ def decode_attention(
     assert k_cache.stride() == v_cache.stride() and k_cache.shape[2] == H_kv and splits.arrivals.is_contiguous()
     _split_kernel[(B, H_kv, splits.lse.shape[2])](
         q, k_cache, v_cache, block_tables, context_lens, splits.o, splits.lse, splits.arrivals, out,
-        scale * LOG2E,
+        scale * LOG2E, block_tables.shape[1] * P,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *splits.o.stride(), *splits.lse.stride(),
         *out.stride(), **_constexprs(H_q, H_kv, D, P),
     )

@@ -19,7 +19,7 @@ def token_offsets(table_ptr, start, end, stride_block, stride_token, P: tl.const
     pos = start + tl.arange(0, BLOCK_N)
     if P % BLOCK_N == 0:
         # Tiles start at multiples of BLOCK_N, so the whole tile sits inside one block.
-        block = tl.load(table_ptr + start // P).to(tl.int64)
+        block = tl.load(table_ptr + start // P, mask=start < end, other=0).to(tl.int64)
     else:
         block = tl.load(table_ptr + pos // P, mask=pos < end, other=0).to(tl.int64)
     # int64: a layer's cache can hold more than 2**31 elements.
