@@ -30,9 +30,9 @@ MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
 MERGE_ELEMENTS = 2048  # float32 values of the splits' outputs the merge reads at a time
 
 
-# The block table's width and the number of splits change from step to step: the strides they set
-# are not specialized on (those of o stay multiples of D, a power of two >= 16, whatever the split
-# count), so a serving run compiles the kernel once per shape, not again mid-run.
+# The block table's width and the number of splits change from step to step: the strides and the
+# row length they set are not specialized on (those of o stay multiples of D, a power of two >= 16,
+# whatever the split count), so a serving run compiles the kernel once per shape, not again mid-run.
 @triton.jit(do_not_specialize=["stride_table", "stride_lb", "stride_lh", "table_tokens"])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, context_lens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
@@ -167,13 +167,14 @@ def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     """Splits per (request, KV head) for `pairs` of them, `tiles` tiles long, when the GPU runs
     `slots` programs at once.
 
-    Enough programs to keep the memory busy (at least half a wave: on the H200 256 programs read
-    at 75% of copy, 384 to 640 at 80-81%), never more than one wave (a second costs a whole
-    program's time: 768 programs ran at 69%), and within that the count that deals the tiles
-    most evenly: a split with a tile more than the rest reads it when few programs are left,
-    at the memory's latency rather than its bandwidth (64 tiles over 9 splits ran 2-3 points
-    below 8 splits; results/logs/h200_decode_splits.txt). Ties go to more splits.
-    8 splits at B=8 for S = 2048 ... 32768 on the H200; one at B=64.
+    Enough programs to keep the memory busy (at least half a wave: on the H200 256 programs read at
+    75% of copy, 384 to 640 at 80-81%), never more than one wave (a second costs a whole program's
+    time: 768 programs ran at 69%; and a CUDA graph plans for the longest context its table holds),
+    and within that the count that deals the tiles most evenly: a split with a tile more than the
+    rest reads it when few programs are left, at the memory's latency rather than its bandwidth
+    (64 tiles over 9 splits ran 2.5-3.5 points of copy below 8 splits, over 10 splits 1.5-4 below;
+    results/logs/h200_decode_splits.txt, sections 1 and 4d). Ties go to more splits.
+    On the H200: 8 splits at B=8 for S = 2048 ... 32768, 64 at B=1, one at B=64.
     """
     most = max(1, min(tiles, slots // pairs))
     least = min(most, -(-slots // (2 * pairs)))
