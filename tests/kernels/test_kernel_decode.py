@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,6 +62,57 @@ def test_decode_gpu(device, group, D, P, dtype):
     H_kv = 8
     case = make_case(group * H_kv, H_kv, D, P, [1] * len(GPU_LENS), GPU_LENS, dtype, device, P + D + group)
     assert_decodes(case, None, reference(case, D**-0.5))
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="reads are recorded through Triton's interpreter, which runs only without a GPU"
+)
+@pytest.mark.parametrize(
+    ("P", "context_lens", "extra_columns", "num_splits"),
+    [
+        (64, [64, 128], 0, 3),  # rows exactly full, one block per tile: the look-ahead runs past both ends
+        (8, [40, 1, 17], 0, 4),
+        (96, [200, 1, 97], 0, 2),  # P neither a power of two nor under a tile
+        (16, [100, 3], 7, 20),  # a CUDA graph's wide table, junk past each context; more splits than tiles
+    ],
+)
+def test_decode_reads_table_in_bounds(monkeypatch, P, context_lens, extra_columns, num_splits):
+    """The kernel reads the block table a tile ahead, but never past a row's end. The table here is
+    a view into a wider tensor, so such a read would land in memory that exists and change nothing
+    in the output: only the addresses the interpreter loads from can show it."""
+    from triton.runtime import interpreter
+
+    H_kv, D = 2, 16
+    case = make_case(2 * H_kv, H_kv, D, P, [1] * len(context_lens), context_lens, torch.float32, "cpu", P)
+    blocks = [-(-c // P) for c in context_lens]
+    width = max(blocks) + extra_columns
+    g = torch.Generator().manual_seed(P)
+    wider = torch.randint(0, case.k_cache.shape[0], (len(blocks), width + 5), generator=g, dtype=torch.int32)
+    for b, n in enumerate(blocks):
+        wider[b, :n] = case.block_tables[b, :n]
+    table = wider[:, :width]
+
+    reads = []
+    load = interpreter.InterpreterBuilder.create_masked_load
+
+    def recording_load(self, ptrs, mask, *args):
+        reads.append(ptrs.data[mask.data].ravel())
+        return load(self, ptrs, mask, *args)
+
+    splits = DecodeSplits.plan(len(blocks), 2 * H_kv, H_kv, D, P, torch.float32, max(context_lens), "cpu", num_splits)
+    out = torch.full_like(case.q, float("nan"))
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", recording_load)
+    decode_attention(case.q, case.k_cache, case.v_cache, table, case.context_lens, D**-0.5, splits, out)
+    monkeypatch.undo()
+
+    addresses = torch.from_numpy(np.concatenate(reads).astype(np.int64))
+    base, end = wider.data_ptr(), wider.data_ptr() + wider.numel() * wider.element_size()
+    entries = (addresses[(addresses >= base) & (addresses < end)] - base) // wider.element_size()
+    assert entries.numel(), "no block table reads recorded"
+    columns = entries % wider.stride(0)
+    beyond = sorted(set(columns[columns >= width].tolist()))
+    assert not beyond, f"read columns {beyond} of a {width}-wide table"
+    assert_matches(out, reference(case, D**-0.5))
 
 
 @gpu

@@ -154,7 +154,7 @@ class DecodeSplits:
         cls, B: int, H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype, max_context_len: int,
         device: torch.device, num_splits: int | None = None,
     ) -> DecodeSplits:
-        """`num_splits` defaults to the count that should finish soonest on this GPU (`best_num_splits`)."""
+        """`num_splits` defaults to `best_num_splits` for this GPU's occupancy."""
         if num_splits is None:
             slots = resident_programs(device, dtype, H_q, H_kv, D, P)
             num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, BLOCK_N), slots)
@@ -174,7 +174,7 @@ def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     rest reads it when few programs are left, at the memory's latency rather than its bandwidth
     (64 tiles over 9 splits ran 2.5-3.5 points of copy below 8 splits, over 10 splits 1.5-4 below;
     results/logs/h200_decode_splits.txt, sections 1 and 4d). Ties go to more splits.
-    On the H200: 8 splits at B=8 for S = 2048 ... 32768, 64 at B=1, one at B=64.
+    On the H200 with H_kv = 8: 8 splits at B=8 for S = 2048 ... 32768, 64 at B=1 and S=4096, one at B=64.
     """
     most = max(1, min(tiles, slots // pairs))
     least = min(most, -(-slots // (2 * pairs)))
