@@ -2,11 +2,12 @@
 
 One kernel, one program per (request b, KV head, split of the context): it reads each K/V
 token of its split once for the KV head's whole group of H_q / H_kv query heads (padded to
-the 16 rows tl.dot needs) and leaves that split's normalized output and log2-sum-exp. The
-last split of a (request, KV head) to finish merges them all, counted by an atomic arrival
-counter: no second kernel, whose launch and round trips cost 1.4 to 2.7 points of the copy
-bandwidth at S = 4096 on the H200 (results/logs/h200_decode_splits.txt). Splitting the
-context is what keeps all SMs busy when B * H_kv is small.
+the 16 rows tl.dot needs) and leaves that split's normalized output and log2-sum-exp (a lone
+split writes its output directly). The last split of a (request, KV head) to finish merges them
+all, counted by an atomic arrival counter: no second kernel, whose launch and round trips cost
+1.4 to 2.7 points of the copy bandwidth at S = 4096 on the H200
+(results/logs/h200_decode_splits.txt). Splitting the context is what keeps all SMs busy when
+B * H_kv is small.
 """
 
 from __future__ import annotations
@@ -84,22 +85,28 @@ def _split_kernel(
     # An empty split (past a short request's end) has acc = 0, row_sum = 0, m = -inf: it stores
     # output 0 and log-sum-exp -inf, which the merge weighs 0.
     row_sum = tl.where(row_sum > 0, row_sum, 1.0)
-    o_rows = o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
-    tl.store(o_rows + d[None, :] * stride_od, acc / row_sum[:, None], mask=row_ok[:, None])
-    lse_rows = lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls
-    tl.store(lse_rows, m + tl.log2(row_sum), mask=row_ok)
+    if num_splits == 1:
+        # The whole context in one program: its output is final, with no counter or scratch round
+        # trip (1.5 us of a one-tile decode on the H200, results/logs/h200_decode_splits.txt).
+        out = out_ptr + b * stride_xb + heads[:, None] * stride_xh + d[None, :] * stride_xd
+        tl.store(out, (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        o_rows = o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
+        tl.store(o_rows + d[None, :] * stride_od, acc / row_sum[:, None], mask=row_ok[:, None])
+        lse_rows = lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls
+        tl.store(lse_rows, m + tl.log2(row_sum), mask=row_ok)
 
-    # Every thread's stores are issued before the arrival counts (bar.sync), and the counter's
-    # acquire-release makes the last arrival see all of them.
-    tl.debug_barrier()
-    arrivals = arrivals_ptr + b * tl.num_programs(1) + h_kv
-    if tl.atomic_add(arrivals, 1, sem="acq_rel") == num_splits - 1:
-        _merge(
-            o_ptr + b * stride_ob, lse_ptr + b * stride_lb, out_ptr + b * stride_xb, h_kv * GROUP, num_splits,
-            stride_oh, stride_os, stride_od, stride_lh, stride_ls, stride_xh, stride_xd,
-            GROUP, GROUP_P2, MERGE_TILE, D,
-        )
-        tl.store(arrivals, 0)  # ready for the next layer's launch
+        # Every thread's stores are issued before the arrival counts (bar.sync), and the counter's
+        # acquire-release makes the last arrival see all of them.
+        tl.debug_barrier()
+        arrivals = arrivals_ptr + b * tl.num_programs(1) + h_kv
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == num_splits - 1:
+            _merge(
+                o_ptr + b * stride_ob, lse_ptr + b * stride_lb, out_ptr + b * stride_xb, h_kv * GROUP, num_splits,
+                stride_oh, stride_os, stride_od, stride_lh, stride_ls, stride_xh, stride_xd,
+                GROUP, GROUP_P2, MERGE_TILE, D,
+            )
+            tl.store(arrivals, 0)  # ready for the next layer's launch
 
 
 @triton.jit
