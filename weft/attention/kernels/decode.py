@@ -152,7 +152,7 @@ class DecodeSplits:
     Built once per step (or once per CUDA graph) and shared by all L layers.
     """
 
-    o: torch.Tensor  # [B, H_q, num_splits, D] float32: each split's normalized output
+    o: torch.Tensor  # [B, H_q, num_splits, D] float32: each split's normalized output (a lone split skips it)
     lse: torch.Tensor  # [B, H_q, num_splits] float32: log2-sum-exp of each split's scaled scores
     arrivals: torch.Tensor  # [B, H_kv] int32: splits finished so far; 0 between launches
 
