@@ -127,13 +127,14 @@ def test_decode_single_request_splits(device):
 @pytest.mark.parametrize(
     ("pairs", "tiles", "slots", "expected"),
     [
-        (64, 64, 660, 8),  # B=8, S=4096 on the H200 (5 programs per SM): 6..10 splits fit, 8 deal 8 tiles each
-        (64, 128, 660, 8),  # S=8192: 16 tiles each
-        (64, 67, 660, 10),  # no count deals 67 evenly: 7 and 10 splits waste as little; more splits win the tie
-        (8, 64, 660, 64),  # B=1: 42..64 splits fill half a wave to one; 64 deal one tile each
-        (512, 32, 660, 1),  # B=64: one split per program already fills the GPU about once
-        (512, 640, 660, 1),  # a CUDA graph's plan for a 40960-token table: still never past one wave
-        (8, 3, 660, 3),  # never more splits than tiles
+        (64, 64, 528, 8),  # B=8, S=4096 on the H200 (4 programs per SM): 5..8 splits fit, 8 deal 8 tiles each
+        (64, 128, 528, 8),  # S=8192: 16 tiles each
+        (64, 67, 528, 7),  # no count deals 67 evenly: 5 and 7 splits waste as little; more splits win the tie
+        (64, 67, 660, 10),  # with 5 programs per SM, 10 splits fit, and waste as little as 7
+        (8, 64, 528, 64),  # B=1: 33..64 splits fill half a wave to one; 64 deal one tile each
+        (512, 32, 528, 1),  # B=64: one split per program already fills the GPU about once
+        (512, 640, 528, 1),  # a CUDA graph's plan for a 40960-token table: still never past one wave
+        (8, 3, 528, 3),  # never more splits than tiles
         (64, 64, 1, 1),  # the interpreter: one program at a time, splitting gains nothing
     ],
 )
