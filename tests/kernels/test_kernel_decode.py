@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.kernels.paged_case import assert_matches, make_case, reference
-from weft.attention.kernels import DecodeSplits, decode_attention
-from weft.attention.kernels.decode import best_num_splits, compiled_kernel, resident_programs
+from weft.attention.kernels import DecodeSplits, decode, decode_attention
+from weft.attention.kernels.decode import Tiles, best_num_splits, compiled_kernel, resident_programs
 
 pytestmark = pytest.mark.kernels
 gpu = pytest.mark.gpu
@@ -22,7 +22,7 @@ CPU_CASES = [
     (4, 64, 256, [200, 17], 2),
     (8, 64, 12, [1, 150], 8),
     (2, 64, 64, [64, 128], 1),
-    (1, 64, 16, [1100, 3], 20),  # 18 tiles over 20 splits: some empty even for the long request
+    (1, 64, 16, [1100, 3], 20),  # 18 tiles of 64 over 20 splits: some empty even for the long request
     (3, 64, 8, [40, 200, 7], 40),  # 5 merge passes of 8 splits, some of them all empty
 ]
 # Realistic sizes on the GPU: every group size at D 64/128 and small/large P, the rest of P at one shape.
@@ -30,6 +30,16 @@ GPU_LENS = [1, 4097, 2500, 17, 1000, 3333, 64, 800]
 GPU_CASES = [(g, d, p, torch.bfloat16) for g in (1, 2, 4, 8) for d in (64, 128) for p in (8, 256)]
 GPU_CASES += [(2, 128, p, torch.bfloat16) for p in (1, 16, 32, 64, 128)]
 GPU_CASES += [(4, 128, 16, torch.float16), (4, 128, 16, torch.float32), (1, 64, 256, torch.float32)]
+
+
+@pytest.fixture(params=[Tiles(64, 2), Tiles(32, 3)], ids=["float32-tiles", "16-bit-tiles"])
+def tiles(request, monkeypatch) -> Tiles:
+    """Both tile configurations, walked in float32: the interpreter computes bfloat16 wrongly, but how
+    a split walks its tiles does not depend on the dtype. On the GPU, bfloat16 runs its own."""
+    if request.param != decode.tiles_for(torch.float32) and torch.cuda.is_available():
+        pytest.skip("on the GPU the 16-bit tiles run in 16 bits (test_decode_gpu)")
+    monkeypatch.setattr(decode, "tiles_for", lambda dtype: request.param)
+    return request.param
 
 
 def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> None:
@@ -50,7 +60,7 @@ def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(("group", "D", "P", "context_lens", "num_splits"), CPU_CASES)
-def test_decode_fp32(device, group, D, P, context_lens, num_splits):
+def test_decode_fp32(device, tiles, group, D, P, context_lens, num_splits):
     H_kv, q_lens = 2, [1] * len(context_lens)
     case = make_case(group * H_kv, H_kv, D, P, q_lens, context_lens, torch.float32, device, 0)
     assert_decodes(case, num_splits, reference(case, D**-0.5))
@@ -70,13 +80,13 @@ def test_decode_gpu(device, group, D, P, dtype):
 @pytest.mark.parametrize(
     ("P", "context_lens", "extra_columns", "num_splits"),
     [
-        (64, [64, 128], 0, 3),  # rows exactly full, one block per tile: the look-ahead runs past both ends
+        (64, [64, 128], 0, 3),  # rows exactly full, whole blocks per tile: the look-ahead runs past both ends
         (8, [40, 1, 17], 0, 4),
         (96, [200, 1, 97], 0, 2),  # P neither a power of two nor under a tile
         (16, [100, 3], 7, 20),  # a CUDA graph's wide table, junk past each context; more splits than tiles
     ],
 )
-def test_decode_reads_table_in_bounds(monkeypatch, P, context_lens, extra_columns, num_splits):
+def test_decode_reads_table_in_bounds(monkeypatch, tiles, P, context_lens, extra_columns, num_splits):
     """The kernel reads the block table a tile ahead, but never past a row's end. The table here is
     a view into a wider tensor, so such a read would land in memory that exists and change nothing
     in the output: only the addresses the interpreter loads from can show it."""
@@ -127,14 +137,14 @@ def test_decode_single_request_splits(device):
 @pytest.mark.parametrize(
     ("pairs", "tiles", "slots", "expected"),
     [
-        (64, 64, 528, 8),  # B=8, S=4096 on the H200 (4 programs per SM): 5..8 splits fit, 8 deal 8 tiles each
-        (64, 128, 528, 8),  # S=8192: 16 tiles each
-        (64, 67, 528, 7),  # no count deals 67 evenly: 5 and 7 splits waste as little; more splits win the tie
-        (64, 67, 660, 10),  # with 5 programs per SM, 10 splits fit, and waste as little as 7
-        (8, 64, 528, 64),  # B=1: 33..64 splits fill half a wave to one; 64 deal one tile each
-        (512, 32, 528, 1),  # B=64: one split per program already fills the GPU about once
-        (512, 640, 528, 1),  # a CUDA graph's plan for a 40960-token table: still never past one wave
-        (8, 3, 528, 3),  # never more splits than tiles
+        (64, 128, 660, 8),  # B=8, S=4096, bf16 on the H200 (5 programs per SM): 6..10 splits fit, 8 deal 16 tiles each
+        (64, 256, 660, 8),  # S=8192: 32 tiles each
+        (64, 67, 660, 10),  # no count deals 67 evenly: 7 and 10 splits waste as little; more splits win the tie
+        (64, 67, 528, 7),  # with 4 programs per SM (float32, or 64-token tiles) 10 splits no longer fit: 5 or 7
+        (8, 128, 660, 64),  # B=1: 42..82 splits fill half a wave to one; 64 deal 2 tiles each
+        (512, 64, 660, 1),  # B=64: one split per program already fills the GPU about once
+        (512, 1280, 660, 1),  # a CUDA graph's plan for a 40960-token table: still never past one wave
+        (8, 3, 660, 3),  # never more splits than tiles
         (64, 64, 1, 1),  # the interpreter: one program at a time, splitting gains nothing
     ],
 )

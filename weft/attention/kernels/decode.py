@@ -21,12 +21,10 @@ import triton.language as tl
 
 from weft.attention.kernels.tiles import LOG2E, softmax_step, token_offsets
 
-BLOCK_N = 64  # context tokens per tile
 # 4, not 2: 2 warps measured the same in bf16 (results/logs/h200_decode_splits.txt), while e5 in
 # float32 fell from 1197 to 494 output tok/s with them (likely register spills: a float32 K or V
 # tile is 128 registers per thread over 64 threads).
 NUM_WARPS = 4
-NUM_STAGES = 2
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
 MERGE_ELEMENTS = 2048  # float32 values of the splits' outputs the merge reads at a time
 
@@ -125,9 +123,10 @@ def _merge(
     weights = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, D], tl.float32)
     # The next tile's loads go out before this one is folded in: two tiles' round trips to L2 overlap
-    # instead of queueing. It takes 126 registers instead of 96 (4 programs per SM instead of 5) and
-    # measured faster all the same, at one merge tile as at eight (B=8 S=4096: 84.6 -> 85.5% of copy;
-    # B=1 S=32768, 64 splits: 75.6 -> 76.9%; results/logs/h200_decode_splits.txt, section 6).
+    # instead of queueing. Measured with 64-token K/V tiles, where it took the kernel from 96 to 126
+    # registers (5 programs per SM to 4) and was faster all the same, at one merge tile as at eight
+    # (B=8 S=4096: 84.6 -> 85.5% of copy; B=1 S=32768, 64 splits: 75.6 -> 76.9%;
+    # results/logs/h200_decode_splits.txt, section 6).
     lse_next, o_next = _splits_tile(
         o_ptr, lse_ptr, heads, 0, num_splits, stride_oh, stride_os, stride_od, stride_lh, stride_ls,
         GROUP, GROUP_P2, MERGE_TILE, D,
@@ -170,6 +169,24 @@ def _splits_tile(
     return lse, o
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """How a program walks its split: block_n context tokens per tile, num_stages - 1 tiles loaded
+    while the one before them is computed."""
+
+    block_n: int
+    num_stages: int
+
+
+def tiles_for(dtype: torch.dtype) -> Tiles:
+    """16-bit caches: 32-token tiles, two in flight. On the H200 (B=8, S=4096, 5 programs per SM)
+    they read 85.2-85.4% / 86.0-86.3% of copy at P = 8 / 16, against 84.0-85.2% / 84.7-85.4% for
+    64-token tiles one at a time (4 per SM), and were no more than 0.4 points behind at any e3 shape
+    (results/logs/h200_decode_splits.txt, section 7). float32 keeps 64-token tiles one at a time:
+    with 32-token ones Triton 3.6 spills (255 registers and ~300 bytes of stack per thread)."""
+    return Tiles(64, 2) if dtype == torch.float32 else Tiles(32, 3)
+
+
 @dataclass
 class DecodeSplits:
     """How many splits one decode step cuts each request's context into, and the scratch they use.
@@ -189,7 +206,7 @@ class DecodeSplits:
         """`num_splits` defaults to `best_num_splits` for this GPU's occupancy."""
         if num_splits is None:
             slots = resident_programs(device, dtype, H_q, H_kv, D, P)
-            num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, BLOCK_N), slots)
+            num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles_for(dtype).block_n), slots)
         o = torch.empty(B, H_q, num_splits, D, dtype=torch.float32, device=device)
         lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=device)
         return cls(o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
@@ -213,14 +230,15 @@ def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     return max(range(least, most + 1), key=lambda n: (tiles / (n * -(-tiles // n)), n))
 
 
-def _constexprs(H_q: int, H_kv: int, D: int, P: int) -> dict[str, int]:
+def _constexprs(H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype) -> dict[str, int]:
     """The kernel's compile-time parameters for one shape (the same whatever the split count)."""
     group = H_q // H_kv
     group_p2 = triton.next_power_of_2(group)
+    tiles = tiles_for(dtype)
     return dict(
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, group_p2), GROUP_P2=group_p2,
-        MERGE_TILE=max(1, MERGE_ELEMENTS // (group_p2 * D)), D=D, P=P, BLOCK_N=BLOCK_N,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        MERGE_TILE=max(1, MERGE_ELEMENTS // (group_p2 * D)), D=D, P=P, BLOCK_N=tiles.block_n,
+        num_warps=NUM_WARPS, num_stages=tiles.num_stages,
     )
 
 
@@ -234,7 +252,7 @@ def compiled_kernel(device: torch.device, dtype: torch.dtype, H_q: int, H_kv: in
         kernel = _split_kernel.warmup(
             dtype, dtype, dtype, i32, i32, f32, f32, i32, dtype, 1.0, 1,
             H_q * D, D, 1, P * H_kv * D, H_kv * D, D, 1, 1, 16 * D, 16 * D, D, 1, 16, 16, 1, H_q * D, D, 1,
-            grid=(1,), **_constexprs(H_q, H_kv, D, P),
+            grid=(1,), **_constexprs(H_q, H_kv, D, P, dtype),
         )
         kernel._init_handles()  # loads the binary: its register count is known from here
     return kernel
@@ -277,6 +295,6 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, splits.o, splits.lse, splits.arrivals, out,
         scale * LOG2E, block_tables.shape[1] * P,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *splits.o.stride(), *splits.lse.stride(),
-        *out.stride(), **_constexprs(H_q, H_kv, D, P),
+        *out.stride(), **_constexprs(H_q, H_kv, D, P, q.dtype),
     )
     return out
