@@ -180,8 +180,8 @@ class Tiles:
 
 def tiles_for(dtype: torch.dtype) -> Tiles:
     """16-bit caches: 32-token tiles, two in flight. On the H200 (B=8, S=4096, 5 programs per SM)
-    they read 85.2-85.4% / 86.0-86.3% of copy at P = 8 / 16, against 84.0-85.2% / 84.7-85.4% for
-    64-token tiles one at a time (4 per SM), and were no more than 0.4 points behind at any e3 shape
+    they read +0.0 to +1.3 points of copy more than 64-token tiles one at a time (4 per SM) at P=8
+    and +0.9 to +1.5 at P=16, interleaved in four calls, and no more than 0.5 less at any e3 shape
     (results/logs/h200_decode_splits.txt, section 7). float32 keeps 64-token tiles one at a time:
     with 32-token ones Triton 3.6 spills (255 registers and ~300 bytes of stack per thread)."""
     return Tiles(64, 2) if dtype == torch.float32 else Tiles(32, 3)
