@@ -33,7 +33,7 @@ GPU_CASES += [(4, 128, 16, torch.float16), (4, 128, 16, torch.float32), (1, 64, 
 
 
 @pytest.fixture(params=[Tiles(64, 2), Tiles(32, 3)], ids=["float32-tiles", "16-bit-tiles"])
-def tiles(request, monkeypatch) -> Tiles:
+def tile_config(request, monkeypatch) -> Tiles:
     """Both tile configurations, walked in float32: the interpreter computes bfloat16 wrongly, but how
     a split walks its tiles does not depend on the dtype. On the GPU, bfloat16 runs its own."""
     if request.param != decode.tiles_for(torch.float32) and torch.cuda.is_available():
@@ -60,7 +60,7 @@ def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(("group", "D", "P", "context_lens", "num_splits"), CPU_CASES)
-def test_decode_fp32(device, tiles, group, D, P, context_lens, num_splits):
+def test_decode_fp32(device, tile_config, group, D, P, context_lens, num_splits):
     H_kv, q_lens = 2, [1] * len(context_lens)
     case = make_case(group * H_kv, H_kv, D, P, q_lens, context_lens, torch.float32, device, 0)
     assert_decodes(case, num_splits, reference(case, D**-0.5))
@@ -86,7 +86,7 @@ def test_decode_gpu(device, group, D, P, dtype):
         (16, [100, 3], 7, 20),  # a CUDA graph's wide table, junk past each context; more splits than tiles
     ],
 )
-def test_decode_reads_table_in_bounds(monkeypatch, tiles, P, context_lens, extra_columns, num_splits):
+def test_decode_reads_table_in_bounds(monkeypatch, tile_config, P, context_lens, extra_columns, num_splits):
     """The kernel reads the block table a tile ahead, but never past a row's end. The table here is
     a view into a wider tensor, so such a read would land in memory that exists and change nothing
     in the output: only the addresses the interpreter loads from can show it."""
