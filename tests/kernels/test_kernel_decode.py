@@ -140,7 +140,7 @@ def test_decode_single_request_splits(device):
         (64, 128, 660, 8),  # B=8, S=4096, bf16 on the H200 (5 programs per SM): 6..10 splits fit, 8 deal 16 tiles each
         (64, 256, 660, 8),  # S=8192: 32 tiles each
         (64, 67, 660, 10),  # no count deals 67 evenly: 7 and 10 splits waste as little; more splits win the tie
-        (64, 67, 528, 7),  # with 4 programs per SM (float32, or 64-token tiles) 10 splits no longer fit: 5 or 7
+        (64, 67, 528, 7),  # with 4 programs per SM (bf16 64-token tiles before 1f59403) 10 no longer fit: 5 or 7
         (8, 128, 660, 64),  # B=1: 42..82 splits fill half a wave to one; 64 deal 2 tiles each
         (512, 64, 660, 1),  # B=64: one split per program already fills the GPU about once
         (512, 1280, 660, 1),  # a CUDA graph's plan for a 40960-token table: still never past one wave
