@@ -8,7 +8,17 @@ import torch
 
 from tests.kernels.paged_case import assert_matches, make_case, reference
 from weft.attention.kernels import DecodeSplits, decode, decode_attention
-from weft.attention.kernels.decode import Tiles, best_num_splits, compiled_kernel, resident_programs
+from weft.attention.kernels.decode import (
+    DEEP_TILES,
+    FLOAT32_TILES,
+    WIDE_TILES,
+    Tiles,
+    best_num_splits,
+    compiled_kernel,
+    resident_programs,
+    tile_options,
+    tiles_for,
+)
 
 pytestmark = pytest.mark.kernels
 gpu = pytest.mark.gpu
@@ -27,22 +37,29 @@ CPU_CASES = [
 ]
 # Realistic sizes on the GPU: every group size at D 64/128 and small/large P, the rest of P at one shape.
 GPU_LENS = [1, 4097, 2500, 17, 1000, 3333, 64, 800]
-GPU_CASES = [(g, d, p, torch.bfloat16) for g in (1, 2, 4, 8) for d in (64, 128) for p in (8, 256)]
-GPU_CASES += [(2, 128, p, torch.bfloat16) for p in (1, 16, 32, 64, 128)]
-GPU_CASES += [(4, 128, 16, torch.float16), (4, 128, 16, torch.float32), (1, 64, 256, torch.float32)]
+GPU_SHAPES = [(g, d, p, torch.bfloat16) for g in (1, 2, 4, 8) for d in (64, 128) for p in (8, 256)]
+GPU_SHAPES += [(2, 128, p, torch.bfloat16) for p in (1, 16, 32, 64, 128)]
+GPU_SHAPES += [(4, 128, 16, torch.float16), (4, 128, 16, torch.float32), (1, 64, 256, torch.float32)]
+GPU_CASES = [(*shape, tiles) for shape in GPU_SHAPES for tiles in tile_options(shape[-1])]
 
 
-@pytest.fixture(params=[Tiles(64, 2), Tiles(32, 3)], ids=["float32-tiles", "16-bit-tiles"])
+def use_tiles(monkeypatch, tiles: Tiles) -> None:
+    """Every plan from here on walks `tiles`, whatever the step."""
+    monkeypatch.setattr(decode, "tiles_for", lambda *args: tiles)
+
+
+@pytest.fixture(params=[FLOAT32_TILES, WIDE_TILES], ids=["64-token-tiles", "32-token-tiles"])
 def tile_config(request, monkeypatch) -> Tiles:
-    """Both tile configurations, walked in float32: the interpreter computes bfloat16 wrongly, but how
-    a split walks its tiles does not depend on the dtype. On the GPU, bfloat16 runs its own."""
-    if request.param != decode.tiles_for(torch.float32) and torch.cuda.is_available():
-        pytest.skip("on the GPU the 16-bit tiles run in 16 bits (test_decode_gpu)")
-    monkeypatch.setattr(decode, "tiles_for", lambda dtype: request.param)
+    """Both tile sizes, walked in float32: the interpreter computes bfloat16 wrongly, but how a split
+    walks its tiles does not depend on the dtype (nor on the stages, which the interpreter ignores:
+    deep tiles walk as float32's do). On the GPU, each 16-bit configuration runs in bfloat16."""
+    if request.param not in tile_options(torch.float32) and torch.cuda.is_available():
+        pytest.skip("on the GPU the 32-token tiles run in 16 bits (test_decode_gpu)")
+    use_tiles(monkeypatch, request.param)
     return request.param
 
 
-def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> None:
+def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> DecodeSplits:
     """Two launches over one plan, as a step's layers use it, each on NaN-poisoned scratch: a merge
     that read a split's part before it was stored, or counters not ready again, fail here."""
     B, H_q, D = case.q.shape
@@ -57,6 +74,7 @@ def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> None:
         decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, D**-0.5, splits, out)
         assert_matches(out, ref)
         assert not splits.arrivals.any(), "arrival counters not reset after the launch"
+    return splits
 
 
 @pytest.mark.parametrize(("group", "D", "P", "context_lens", "num_splits"), CPU_CASES)
@@ -67,11 +85,12 @@ def test_decode_fp32(device, tile_config, group, D, P, context_lens, num_splits)
 
 
 @gpu
-@pytest.mark.parametrize(("group", "D", "P", "dtype"), GPU_CASES)
-def test_decode_gpu(device, group, D, P, dtype):
+@pytest.mark.parametrize(("group", "D", "P", "dtype", "tiles"), GPU_CASES)
+def test_decode_gpu(device, monkeypatch, group, D, P, dtype, tiles):
     H_kv = 8
     case = make_case(group * H_kv, H_kv, D, P, [1] * len(GPU_LENS), GPU_LENS, dtype, device, P + D + group)
-    assert_decodes(case, None, reference(case, D**-0.5))
+    use_tiles(monkeypatch, tiles)
+    assert assert_decodes(case, None, reference(case, D**-0.5)).tiles == tiles
 
 
 @pytest.mark.skipif(
@@ -146,19 +165,45 @@ def test_decode_single_request_splits(device):
         (512, 1280, 660, 1),  # a CUDA graph's plan for a 40960-token table: still never past one wave
         (8, 3, 660, 3),  # never more splits than tiles
         (64, 64, 1, 1),  # the interpreter: one program at a time, splitting gains nothing
+        (64, 64, 396, 4),  # B=8, S=4096 under deep tiles (3 programs per SM): 4..6 splits fit, 4 deal 16 each
+        (8, 64, 396, 32),  # B=1 under deep tiles: 32 splits of 2 tiles
     ],
 )
 def test_best_num_splits(pairs, tiles, slots, expected):
     assert best_num_splits(pairs, tiles, slots) == expected
 
 
+def no_slots() -> int:
+    raise AssertionError("float32 has one tile configuration: nothing to weigh")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "pairs", "deep_slots", "expected"),
+    [
+        (torch.bfloat16, 8, 396, DEEP_TILES),  # B=1 at H_kv=8 on the H200
+        (torch.bfloat16, 64, 396, DEEP_TILES),  # B=8
+        (torch.bfloat16, 264, 396, DEEP_TILES),  # B=33: two thirds of a deep wave, the last step deep
+        (torch.bfloat16, 265, 396, WIDE_TILES),
+        (torch.float16, 512, 396, WIDE_TILES),  # B=64: a deep wave would not hold it
+        (torch.bfloat16, 1, 1, WIDE_TILES),  # the interpreter: one program at a time
+        (torch.float32, 8, no_slots, FLOAT32_TILES),
+        (torch.float32, 512, no_slots, FLOAT32_TILES),
+    ],
+)
+def test_tiles_for(dtype, pairs, deep_slots, expected):
+    slots = deep_slots if callable(deep_slots) else lambda: deep_slots
+    assert tiles_for(dtype, pairs, slots) == expected
+
+
 @gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_resident_programs(device, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "tiles"), [(dtype, tiles) for dtype in (torch.bfloat16, torch.float32) for tiles in tile_options(dtype)]
+)
+def test_resident_programs(device, dtype, tiles):
     """The occupancy weft computes from the compiled kernel's resources is the CUDA driver's own."""
     import ctypes
 
-    kernel = compiled_kernel(device, dtype, 16, 8, 128, 16)
+    kernel = compiled_kernel(device, dtype, 16, 8, 128, 16, tiles)
     per_sm = ctypes.c_int()
     status = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
         ctypes.byref(per_sm), ctypes.c_void_p(kernel.function), ctypes.c_int(32 * kernel.metadata.num_warps),
@@ -166,4 +211,4 @@ def test_resident_programs(device, dtype):
     )
     assert status == 0, f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUresult {status}"
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    assert resident_programs(device, dtype, 16, 8, 128, 16) == per_sm.value * sms
+    assert resident_programs(device, dtype, 16, 8, 128, 16, tiles) == per_sm.value * sms

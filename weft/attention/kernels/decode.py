@@ -13,6 +13,7 @@ B * H_kv is small.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +46,13 @@ def _split_kernel(
     GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_TILE: tl.constexpr,
     D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    # Splits vary fastest in the grid, so that the programs dispatched last (which the memory serves
+    # last) are all of the last few (request, KV head) pairs rather than one split of every pair:
+    # +0.1 to +0.5 points of copy at B=8 (results/logs/h200_decode_splits.txt, section 8).
+    split = tl.program_id(0)
     h_kv = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    b = tl.program_id(2)
+    num_splits = tl.num_programs(0)
     # Split s takes tiles s, s + num_splits, s + 2 * num_splits, ... of its request's context: no
     # split gets more than one tile over another, a short request's programs finish early, and the
     # grid need not depend on this step's longest context (a CUDA graph fixes the grid at capture).
@@ -178,13 +182,32 @@ class Tiles:
     num_stages: int
 
 
-def tiles_for(dtype: torch.dtype) -> Tiles:
-    """16-bit caches: 32-token tiles, two in flight. On the H200 (B=8, S=4096, 5 programs per SM)
-    they read +0.0 to +1.3 points of copy more than 64-token tiles one at a time (4 per SM) at P=8
-    and +0.9 to +1.5 at P=16, interleaved in four calls, and no more than 0.5 less at any e3 shape
-    (results/logs/h200_decode_splits.txt, section 7). float32 keeps 64-token tiles one at a time:
-    with 32-token ones Triton 3.6 spills (255 registers and ~300 bytes of stack per thread)."""
-    return Tiles(64, 2) if dtype == torch.float32 else Tiles(32, 3)
+# float32: 64-token tiles one at a time (with 32-token ones Triton 3.6 spills: 255 registers and
+# ~300 bytes of stack per thread). 16-bit: two tiles in flight, of 64 tokens ("deep": 3 programs
+# per SM on the H200) or of 32 ("wide": 5 per SM).
+FLOAT32_TILES = Tiles(64, 2)
+DEEP_TILES = Tiles(64, 3)
+WIDE_TILES = Tiles(32, 3)
+
+
+def tile_options(dtype: torch.dtype) -> tuple[Tiles, ...]:
+    """The tile configurations a cache of `dtype` may be walked with."""
+    return (FLOAT32_TILES,) if dtype == torch.float32 else (DEEP_TILES, WIDE_TILES)
+
+
+def tiles_for(dtype: torch.dtype, pairs: int, deep_slots: Callable[[], int]) -> Tiles:
+    """The tiles for a step of `pairs` (request, KV head) pairs; `deep_slots()`: how many deep
+    programs the GPU holds at once.
+
+    Deep tiles while a wave of them holds every pair with a third of it to spare, wide ones beyond:
+    fewer programs per SM then each need more bytes in flight. On the H200 (H_kv = 8, S = 4096, P = 16;
+    results/logs/h200_decode_splits.txt, section 8), deep against wide in % of copy: B=1 33.4 / 27.1,
+    B=2 53.2 / 48.7, B=4 70.9 / 68.4, B=8 equal at P = 8 and 16 and +1 at P = 64, B=32 100.1 / 97.4;
+    past the rule's B=33: B=40 96.0 / 97.0, B=48 99.0 / 101.1, B=64 85.6 / 99.3 (two waves of deep).
+    """
+    if dtype == torch.float32:
+        return FLOAT32_TILES
+    return DEEP_TILES if 3 * pairs <= 2 * deep_slots() else WIDE_TILES
 
 
 @dataclass
@@ -194,6 +217,7 @@ class DecodeSplits:
     Built once per step (or once per CUDA graph) and shared by all L layers.
     """
 
+    tiles: Tiles
     o: torch.Tensor  # [B, H_q, num_splits, D] float32: each split's normalized output (a lone split skips it)
     lse: torch.Tensor  # [B, H_q, num_splits] float32: log2-sum-exp of each split's scaled scores
     arrivals: torch.Tensor  # [B, H_kv] int32: splits finished so far; 0 between launches
@@ -203,13 +227,14 @@ class DecodeSplits:
         cls, B: int, H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype, max_context_len: int,
         device: torch.device, num_splits: int | None = None,
     ) -> DecodeSplits:
-        """`num_splits` defaults to `best_num_splits` for this GPU's occupancy."""
+        """`num_splits` defaults to `best_num_splits` for this GPU's occupancy under the step's tiles."""
+        tiles = tiles_for(dtype, B * H_kv, lambda: resident_programs(device, dtype, H_q, H_kv, D, P, DEEP_TILES))
         if num_splits is None:
-            slots = resident_programs(device, dtype, H_q, H_kv, D, P)
-            num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles_for(dtype).block_n), slots)
+            slots = resident_programs(device, dtype, H_q, H_kv, D, P, tiles)
+            num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles.block_n), slots)
         o = torch.empty(B, H_q, num_splits, D, dtype=torch.float32, device=device)
         lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=device)
-        return cls(o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
+        return cls(tiles, o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
 
 
 def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
@@ -223,18 +248,18 @@ def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     rest reads it when few programs are left, at the memory's latency rather than its bandwidth
     (64 tiles over 9 splits ran 2.5-3.5 points of copy below 8 splits, over 10 splits 1.5-4 below;
     results/logs/h200_decode_splits.txt, sections 1 and 4d). Ties go to more splits.
-    On the H200 with H_kv = 8: 8 splits at B=8 for S = 2048 ... 32768, 64 at B=1 and S=4096, one at B=64.
+    On the H200 with H_kv = 8 and bf16: 4 splits at B=8 for S = 2048 ... 32768 and 32 at B=1, S=4096
+    (deep tiles, 396 slots); one at B=64 (wide tiles, 660 slots).
     """
     most = max(1, min(tiles, slots // pairs))
     least = min(most, -(-slots // (2 * pairs)))
     return max(range(least, most + 1), key=lambda n: (tiles / (n * -(-tiles // n)), n))
 
 
-def _constexprs(H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype) -> dict[str, int]:
+def _constexprs(H_q: int, H_kv: int, D: int, P: int, tiles: Tiles) -> dict[str, int]:
     """The kernel's compile-time parameters for one shape (the same whatever the split count)."""
     group = H_q // H_kv
     group_p2 = triton.next_power_of_2(group)
-    tiles = tiles_for(dtype)
     return dict(
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, group_p2), GROUP_P2=group_p2,
         MERGE_TILE=max(1, MERGE_ELEMENTS // (group_p2 * D)), D=D, P=P, BLOCK_N=tiles.block_n,
@@ -243,8 +268,8 @@ def _constexprs(H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype) -> dict
 
 
 @functools.cache
-def compiled_kernel(device: torch.device, dtype: torch.dtype, H_q: int, H_kv: int, D: int, P: int):
-    """The kernel as compiled and loaded for one shape on a CUDA device (Triton's CompiledKernel)."""
+def compiled_kernel(device: torch.device, dtype: torch.dtype, H_q: int, H_kv: int, D: int, P: int, tiles: Tiles):
+    """The kernel as compiled and loaded for one shape and tiles on a CUDA device (Triton's CompiledKernel)."""
     # Placeholders with the real strides' divisibility (all that Triton specializes on here): a
     # contiguous q [B, H_q, D], cache [N, P, H_kv, D], scratch and output.
     f32, i32 = torch.float32, torch.int32
@@ -252,19 +277,21 @@ def compiled_kernel(device: torch.device, dtype: torch.dtype, H_q: int, H_kv: in
         kernel = _split_kernel.warmup(
             dtype, dtype, dtype, i32, i32, f32, f32, i32, dtype, 1.0, 1,
             H_q * D, D, 1, P * H_kv * D, H_kv * D, D, 1, 1, 16 * D, 16 * D, D, 1, 16, 16, 1, H_q * D, D, 1,
-            grid=(1,), **_constexprs(H_q, H_kv, D, P, dtype),
+            grid=(1,), **_constexprs(H_q, H_kv, D, P, tiles),
         )
         kernel._init_handles()  # loads the binary: its register count is known from here
     return kernel
 
 
 @functools.cache
-def resident_programs(device: torch.device, dtype: torch.dtype, H_q: int, H_kv: int, D: int, P: int) -> int:
+def resident_programs(
+    device: torch.device, dtype: torch.dtype, H_q: int, H_kv: int, D: int, P: int, tiles: Tiles
+) -> int:
     """How many programs of the kernel the GPU holds at once: SMs x programs per SM, as the compiled
     kernel's shared memory and registers allow. 1 under Triton's interpreter (one at a time)."""
     if device.type != "cuda":
         return 1
-    kernel = compiled_kernel(device, dtype, H_q, H_kv, D, P)
+    kernel = compiled_kernel(device, dtype, H_q, H_kv, D, P, tiles)
     props = torch.cuda.get_device_properties(device)
     threads = 32 * NUM_WARPS
     regs = -(-kernel.n_regs // 8) * 8  # registers are allocated 256 per warp at a time
@@ -291,10 +318,10 @@ def decode_attention(
     _, H_q, D = q.shape
     _, P, _, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.shape[2] == H_kv and splits.arrivals.is_contiguous()
-    _split_kernel[(B, H_kv, splits.lse.shape[2])](
+    _split_kernel[(splits.lse.shape[2], H_kv, B)](
         q, k_cache, v_cache, block_tables, context_lens, splits.o, splits.lse, splits.arrivals, out,
         scale * LOG2E, block_tables.shape[1] * P,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *splits.o.stride(), *splits.lse.stride(),
-        *out.stride(), **_constexprs(H_q, H_kv, D, P, q.dtype),
+        *out.stride(), **_constexprs(H_q, H_kv, D, P, splits.tiles),
     )
     return out
