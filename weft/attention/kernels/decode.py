@@ -195,19 +195,26 @@ def tile_options(dtype: torch.dtype) -> tuple[Tiles, ...]:
     return (FLOAT32_TILES,) if dtype == torch.float32 else (DEEP_TILES, WIDE_TILES)
 
 
-def tiles_for(dtype: torch.dtype, pairs: int, deep_slots: Callable[[], int]) -> Tiles:
-    """The tiles for a step of `pairs` (request, KV head) pairs; `deep_slots()`: how many deep
-    programs the GPU holds at once.
+def merge_passes(num_splits: int, merge_tile: int) -> int:
+    """Tiles of partials the merge reads one after another: none for a lone split."""
+    return 0 if num_splits == 1 else -(-num_splits // merge_tile)
 
-    Deep tiles while a wave of them holds every pair with a third of it to spare, wide ones beyond:
-    fewer programs per SM then each need more bytes in flight. On the H200 (H_kv = 8, S = 4096, P = 16;
-    results/logs/h200_decode_splits.txt, section 8), deep against wide in % of copy: B=1 33.4 / 27.1,
-    B=2 53.2 / 48.7, B=4 70.9 / 68.4, B=8 equal at P = 8 and 16 and +1 at P = 64, B=32 100.1 / 97.4;
-    past the rule's B=33: B=40 96.0 / 97.0, B=48 99.0 / 101.1, B=64 85.6 / 99.3 (two waves of deep).
+
+def tiles_for(dtype: torch.dtype, split_count: Callable[[Tiles], int], merge_tile: int) -> Tiles:
+    """The tiles for a step whose splits under each 16-bit configuration `split_count` gives.
+
+    Deep tiles where they leave the merge fewer passes, wide ones otherwise. Deep programs are
+    fewer (3 per SM on the H200 against 5) so a step splits into about half as many, and a merge
+    pass is an L2 round trip after the last split. On the H200 (H_kv = 8, P = 16, the merge 8
+    splits a pass; results/logs/h200_decode_splits.txt, section 8), deep against wide in % of copy:
+    B=1 S=4096 33.4 / 26.5 (32 against 64 splits), B=2 54.0 / 47.9, B=4 72.5 / 70.5, B=32 S=4096
+    102.3 / 99.9 (one split against two); with as many passes wide at B=8 S=4096: P=8 85.7 against
+    84.6, P=16 86.3 / 85.5 (deep ahead at P=64 and 256 by 0.9 and 1.5).
     """
     if dtype == torch.float32:
         return FLOAT32_TILES
-    return DEEP_TILES if 3 * pairs <= 2 * deep_slots() else WIDE_TILES
+    deep = merge_passes(split_count(DEEP_TILES), merge_tile) < merge_passes(split_count(WIDE_TILES), merge_tile)
+    return DEEP_TILES if deep else WIDE_TILES
 
 
 @dataclass
@@ -228,10 +235,14 @@ class DecodeSplits:
         device: torch.device, num_splits: int | None = None,
     ) -> DecodeSplits:
         """`num_splits` defaults to `best_num_splits` for this GPU's occupancy under the step's tiles."""
-        tiles = tiles_for(dtype, B * H_kv, lambda: resident_programs(device, dtype, H_q, H_kv, D, P, DEEP_TILES))
-        if num_splits is None:
+
+        def split_count(tiles: Tiles) -> int:
             slots = resident_programs(device, dtype, H_q, H_kv, D, P, tiles)
-            num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles.block_n), slots)
+            return best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles.block_n), slots)
+
+        tiles = tiles_for(dtype, split_count, merge_tile(H_q, H_kv, D))
+        if num_splits is None:
+            num_splits = split_count(tiles)
         o = torch.empty(B, H_q, num_splits, D, dtype=torch.float32, device=device)
         lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=device)
         return cls(tiles, o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
@@ -248,12 +259,17 @@ def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     rest reads it when few programs are left, at the memory's latency rather than its bandwidth
     (64 tiles over 9 splits ran 2.5-3.5 points of copy below 8 splits, over 10 splits 1.5-4 below;
     results/logs/h200_decode_splits.txt, sections 1 and 4d). Ties go to more splits.
-    On the H200 with H_kv = 8 and bf16: 4 splits at B=8 for S = 2048 ... 32768 and 32 at B=1, S=4096
-    (deep tiles, 396 slots); one at B=64 (wide tiles, 660 slots).
+    On the H200 with H_kv = 8 and bf16: 8 splits at B=8 for S = 2048 ... 32768 and one at B=64 (wide
+    tiles, 660 slots), 32 at B=1 and S=4096 (deep tiles, 396 slots).
     """
     most = max(1, min(tiles, slots // pairs))
     least = min(most, -(-slots // (2 * pairs)))
     return max(range(least, most + 1), key=lambda n: (tiles / (n * -(-tiles // n)), n))
+
+
+def merge_tile(H_q: int, H_kv: int, D: int) -> int:
+    """How many splits' partials the merge reads at a time."""
+    return max(1, MERGE_ELEMENTS // (triton.next_power_of_2(H_q // H_kv) * D))
 
 
 def _constexprs(H_q: int, H_kv: int, D: int, P: int, tiles: Tiles) -> dict[str, int]:
@@ -262,7 +278,7 @@ def _constexprs(H_q: int, H_kv: int, D: int, P: int, tiles: Tiles) -> dict[str, 
     group_p2 = triton.next_power_of_2(group)
     return dict(
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, group_p2), GROUP_P2=group_p2,
-        MERGE_TILE=max(1, MERGE_ELEMENTS // (group_p2 * D)), D=D, P=P, BLOCK_N=tiles.block_n,
+        MERGE_TILE=merge_tile(H_q, H_kv, D), D=D, P=P, BLOCK_N=tiles.block_n,
         num_warps=NUM_WARPS, num_stages=tiles.num_stages,
     )
 
