@@ -187,23 +187,21 @@ H200_SLOTS = {DEEP_TILES: 396, WIDE_TILES: 660}  # bf16, H_q=16, H_kv=8, D=128: 
         (8, 4096, 4, DEEP_TILES),  # a group of 4 (Qwen3-4B): the merge takes 4 splits a pass, so 1 against 2
         (8, 512, 8, WIDE_TILES),
         (16, 4096, 8, WIDE_TILES),  # 2 against 4
-        (32, 4096, 8, DEEP_TILES),  # one split, no merge at all, against two
+        (32, 4096, 8, DEEP_TILES),  # one split, no merge at all, against two; 256 of the 396 deep slots
+        (40, 4096, 8, WIDE_TILES),  # one split against two, but 320 deep programs: more than two thirds
         (64, 4096, 8, WIDE_TILES),  # one split either way
     ],
 )
 def test_tiles_for(B, S, merge_tile, expected):
-    def split_count(tiles: Tiles) -> int:
-        return best_num_splits(B * 8, -(-S // tiles.block_n), H200_SLOTS[tiles])
-
-    assert tiles_for(torch.bfloat16, split_count, merge_tile) == expected
-    assert tiles_for(torch.float16, split_count, merge_tile) == expected
+    for dtype in (torch.bfloat16, torch.float16):
+        assert tiles_for(dtype, B * 8, S, H200_SLOTS.get, merge_tile) == expected
 
 
 def test_tiles_for_float32():
-    def split_count(tiles: Tiles) -> int:
+    def slots(tiles: Tiles) -> int:
         raise AssertionError("float32 has one tile configuration: nothing to weigh")
 
-    assert tiles_for(torch.float32, split_count, 8) == FLOAT32_TILES
+    assert tiles_for(torch.float32, 8, 4096, slots, 8) == FLOAT32_TILES
 
 
 def test_merge_passes():

@@ -200,21 +200,26 @@ def merge_passes(num_splits: int, merge_tile: int) -> int:
     return 0 if num_splits == 1 else -(-num_splits // merge_tile)
 
 
-def tiles_for(dtype: torch.dtype, split_count: Callable[[Tiles], int], merge_tile: int) -> Tiles:
-    """The tiles for a step whose splits under each 16-bit configuration `split_count` gives.
+def tiles_for(
+    dtype: torch.dtype, pairs: int, max_context_len: int, slots: Callable[[Tiles], int], merge_tile: int
+) -> Tiles:
+    """The tiles for a step of `pairs` (request, KV head) pairs; `slots(tiles)`: how many programs
+    of that configuration the GPU holds at once.
 
-    Deep tiles where they leave the merge fewer passes, wide ones otherwise. Deep programs are
-    fewer (3 per SM on the H200 against 5) so a step splits into about half as many, and a merge
-    pass is an L2 round trip after the last split. On the H200 (H_kv = 8, P = 16, the merge 8
-    splits a pass; results/logs/h200_decode_splits.txt, section 8), deep against wide in % of copy:
-    B=1 S=4096 33.4 / 26.5 (32 against 64 splits), B=2 54.0 / 47.9, B=4 72.5 / 70.5, B=32 S=4096
-    102.3 / 99.9 (one split against two); with as many passes wide at B=8 S=4096: P=8 85.7 against
-    84.6, P=16 86.3 / 85.5 (deep ahead at P=64 and 256 by 0.9 and 1.5).
+    Deep tiles where they leave the merge fewer passes and fill at most two thirds of their slots,
+    wide ones otherwise. Deep programs are fewer (3 per SM on the H200 against 5), so a step splits
+    into about half as many, and each merge pass is an L2 round trip after the last split. On the
+    H200 (H_kv = 8, P = 16, the merge 8 splits a pass; results/logs/h200_decode_splits.txt,
+    section 8), deep against wide in % of copy: B=1 S=4096 33.7 / 26.9 (32 splits against 64),
+    B=2 54.6 / 48.4, B=4 72.1 / 69.9, B=32 102.7 / 100.9 (one split against two). With as many passes,
+    B=8 S=4096: deep 0.0 to 1.1 points below at P = 8 and 16, 0.8 to 1.8 above at P = 64 and 256 (two
+    calls). Past two thirds, B=40: 98.3 / 100.7 and 96.0 / 97.0.
     """
     if dtype == torch.float32:
         return FLOAT32_TILES
-    deep = merge_passes(split_count(DEEP_TILES), merge_tile) < merge_passes(split_count(WIDE_TILES), merge_tile)
-    return DEEP_TILES if deep else WIDE_TILES
+    deep, wide = (best_num_splits(pairs, -(-max_context_len // t.block_n), slots(t)) for t in (DEEP_TILES, WIDE_TILES))
+    fewer_passes = merge_passes(deep, merge_tile) < merge_passes(wide, merge_tile)
+    return DEEP_TILES if fewer_passes and 3 * pairs * deep <= 2 * slots(DEEP_TILES) else WIDE_TILES
 
 
 @dataclass
@@ -236,13 +241,12 @@ class DecodeSplits:
     ) -> DecodeSplits:
         """`num_splits` defaults to `best_num_splits` for this GPU's occupancy under the step's tiles."""
 
-        def split_count(tiles: Tiles) -> int:
-            slots = resident_programs(device, dtype, H_q, H_kv, D, P, tiles)
-            return best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles.block_n), slots)
+        def slots(tiles: Tiles) -> int:
+            return resident_programs(device, dtype, H_q, H_kv, D, P, tiles)
 
-        tiles = tiles_for(dtype, split_count, merge_tile(H_q, H_kv, D))
+        tiles = tiles_for(dtype, B * H_kv, max_context_len, slots, merge_tile(H_q, H_kv, D))
         if num_splits is None:
-            num_splits = split_count(tiles)
+            num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles.block_n), slots(tiles))
         o = torch.empty(B, H_q, num_splits, D, dtype=torch.float32, device=device)
         lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=device)
         return cls(tiles, o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
