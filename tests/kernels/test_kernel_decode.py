@@ -15,7 +15,6 @@ from weft.attention.kernels.decode import (
     Tiles,
     best_num_splits,
     compiled_kernel,
-    merge_passes,
     resident_programs,
     tile_options,
     tiles_for,
@@ -168,44 +167,32 @@ def test_decode_single_request_splits(device):
         (64, 64, 1, 1),  # the interpreter: one program at a time, splitting gains nothing
         (64, 64, 396, 4),  # B=8, S=4096 under deep tiles (3 programs per SM): 4..6 splits fit, 4 deal 16 each
         (8, 64, 396, 32),  # B=1 under deep tiles: 32 splits of 2 tiles
-        (256, 64, 396, 1),  # B=32 under deep tiles: one wave at one split each
     ],
 )
 def test_best_num_splits(pairs, tiles, slots, expected):
     assert best_num_splits(pairs, tiles, slots) == expected
 
 
-H200_SLOTS = {DEEP_TILES: 396, WIDE_TILES: 660}  # bf16, H_q=16, H_kv=8, D=128: 3 and 5 programs per SM
+def no_slots() -> int:
+    raise AssertionError("float32 has one tile configuration: nothing to weigh")
 
 
 @pytest.mark.parametrize(
-    ("B", "S", "merge_tile", "expected"),
+    ("dtype", "pairs", "deep_slots", "expected"),
     [
-        (1, 4096, 8, DEEP_TILES),  # 32 splits against 64: 4 merge passes against 8
-        (4, 4096, 8, DEEP_TILES),  # 8 against 16: one pass against two
-        (8, 4096, 8, WIDE_TILES),  # 4 against 8: one pass each
-        (8, 4096, 4, DEEP_TILES),  # a group of 4 (Qwen3-4B): the merge takes 4 splits a pass, so 1 against 2
-        (8, 512, 8, WIDE_TILES),
-        (16, 4096, 8, WIDE_TILES),  # 2 against 4
-        (32, 4096, 8, DEEP_TILES),  # one split, no merge at all, against two; 256 of the 396 deep slots
-        (40, 4096, 8, WIDE_TILES),  # one split against two, but 320 deep programs: more than two thirds
-        (64, 4096, 8, WIDE_TILES),  # one split either way
+        (torch.bfloat16, 8, 396, DEEP_TILES),  # B=1 at H_kv=8 on the H200
+        (torch.bfloat16, 64, 396, DEEP_TILES),  # B=8
+        (torch.bfloat16, 264, 396, DEEP_TILES),  # B=33: two thirds of a deep wave, the last step deep
+        (torch.bfloat16, 265, 396, WIDE_TILES),
+        (torch.float16, 512, 396, WIDE_TILES),  # B=64: a deep wave would not hold it
+        (torch.bfloat16, 1, 1, WIDE_TILES),  # the interpreter: one program at a time
+        (torch.float32, 8, no_slots, FLOAT32_TILES),
+        (torch.float32, 512, no_slots, FLOAT32_TILES),
     ],
 )
-def test_tiles_for(B, S, merge_tile, expected):
-    for dtype in (torch.bfloat16, torch.float16):
-        assert tiles_for(dtype, B * 8, S, H200_SLOTS.get, merge_tile) == expected
-
-
-def test_tiles_for_float32():
-    def slots(tiles: Tiles) -> int:
-        raise AssertionError("float32 has one tile configuration: nothing to weigh")
-
-    assert tiles_for(torch.float32, 8, 4096, slots, 8) == FLOAT32_TILES
-
-
-def test_merge_passes():
-    assert [merge_passes(n, 8) for n in (1, 2, 8, 9, 64)] == [0, 1, 1, 2, 8]
+def test_tiles_for(dtype, pairs, deep_slots, expected):
+    slots = deep_slots if callable(deep_slots) else lambda: deep_slots
+    assert tiles_for(dtype, pairs, slots) == expected
 
 
 @gpu

@@ -48,7 +48,8 @@ def _split_kernel(
 ):
     # Splits vary fastest in the grid, so that the programs dispatched last (which the memory serves
     # last) are all of the last few (request, KV head) pairs rather than one split of every pair:
-    # +0.1 to +0.5 points of copy at B=8 (results/logs/h200_decode_splits.txt, section 8).
+    # +0.1 to +0.8 points of copy at B=8 S=4096 in three calls, -0.3 to +0.5 at other S
+    # (results/logs/h200_decode_splits.txt, section 8).
     split = tl.program_id(0)
     h_kv = tl.program_id(1)
     b = tl.program_id(2)
@@ -195,31 +196,23 @@ def tile_options(dtype: torch.dtype) -> tuple[Tiles, ...]:
     return (FLOAT32_TILES,) if dtype == torch.float32 else (DEEP_TILES, WIDE_TILES)
 
 
-def merge_passes(num_splits: int, merge_tile: int) -> int:
-    """Tiles of partials the merge reads one after another: none for a lone split."""
-    return 0 if num_splits == 1 else -(-num_splits // merge_tile)
+def tiles_for(dtype: torch.dtype, pairs: int, deep_slots: Callable[[], int]) -> Tiles:
+    """The tiles for a step of `pairs` (request, KV head) pairs; `deep_slots()`: how many deep
+    programs the GPU holds at once.
 
-
-def tiles_for(
-    dtype: torch.dtype, pairs: int, max_context_len: int, slots: Callable[[Tiles], int], merge_tile: int
-) -> Tiles:
-    """The tiles for a step of `pairs` (request, KV head) pairs; `slots(tiles)`: how many programs
-    of that configuration the GPU holds at once.
-
-    Deep tiles where they leave the merge fewer passes and fill at most two thirds of their slots,
-    wide ones otherwise. Deep programs are fewer (3 per SM on the H200 against 5), so a step splits
-    into about half as many, and each merge pass is an L2 round trip after the last split. On the
-    H200 (H_kv = 8, P = 16, the merge 8 splits a pass; results/logs/h200_decode_splits.txt,
-    section 8), deep against wide in % of copy: B=1 S=4096 33.7 / 26.9 (32 splits against 64),
-    B=2 54.6 / 48.4, B=4 72.1 / 69.9, B=32 102.7 / 100.9 (one split against two). With as many passes,
-    B=8 S=4096: deep 0.0 to 1.1 points below at P = 8 and 16, 0.8 to 1.8 above at P = 64 and 256 (two
-    calls). Past two thirds, B=40: 98.3 / 100.7 and 96.0 / 97.0.
+    Deep tiles while the pairs fill at most two thirds of a wave of them, wide ones beyond. A deep
+    program holds 64 tokens in flight where a wide one holds 32, so a small step splits into half as
+    many programs, whose merges have half as many partials to read (one L2 round trip per 8), or
+    none left. Past two thirds, the wide tiles' extra programs per SM win. On the H200 (H_kv = 8,
+    S = 4096, P = 16; results/logs/h200_decode_splits.txt, section 8), deep against wide in % of copy,
+    interleaved: B=1 33.7 / 26.9 (32 splits against 64), B=2 54.6 / 48.4, B=4 72.1 / 69.9, B=24
+    96.2 / 95.0, B=32 102.7 / 100.9 (one split against two); B=8 and 16 alike at P = 8 and 16 (deep
+    -1.1 to +0.7 in six calls, -0.2 on average), ahead at P = 64 and 256 (+0.7 to +1.8). Past two
+    thirds: B=40 98.3 / 100.7 and 96.0 / 97.0, B=48 99.0 / 101.1.
     """
     if dtype == torch.float32:
         return FLOAT32_TILES
-    deep, wide = (best_num_splits(pairs, -(-max_context_len // t.block_n), slots(t)) for t in (DEEP_TILES, WIDE_TILES))
-    fewer_passes = merge_passes(deep, merge_tile) < merge_passes(wide, merge_tile)
-    return DEEP_TILES if fewer_passes and 3 * pairs * deep <= 2 * slots(DEEP_TILES) else WIDE_TILES
+    return DEEP_TILES if 3 * pairs <= 2 * deep_slots() else WIDE_TILES
 
 
 @dataclass
@@ -240,13 +233,10 @@ class DecodeSplits:
         device: torch.device, num_splits: int | None = None,
     ) -> DecodeSplits:
         """`num_splits` defaults to `best_num_splits` for this GPU's occupancy under the step's tiles."""
-
-        def slots(tiles: Tiles) -> int:
-            return resident_programs(device, dtype, H_q, H_kv, D, P, tiles)
-
-        tiles = tiles_for(dtype, B * H_kv, max_context_len, slots, merge_tile(H_q, H_kv, D))
+        tiles = tiles_for(dtype, B * H_kv, lambda: resident_programs(device, dtype, H_q, H_kv, D, P, DEEP_TILES))
         if num_splits is None:
-            num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles.block_n), slots(tiles))
+            slots = resident_programs(device, dtype, H_q, H_kv, D, P, tiles)
+            num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles.block_n), slots)
         o = torch.empty(B, H_q, num_splits, D, dtype=torch.float32, device=device)
         lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=device)
         return cls(tiles, o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
@@ -263,17 +253,12 @@ def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     rest reads it when few programs are left, at the memory's latency rather than its bandwidth
     (64 tiles over 9 splits ran 2.5-3.5 points of copy below 8 splits, over 10 splits 1.5-4 below;
     results/logs/h200_decode_splits.txt, sections 1 and 4d). Ties go to more splits.
-    On the H200 with H_kv = 8 and bf16: 8 splits at B=8 for S = 2048 ... 32768 and one at B=64 (wide
-    tiles, 660 slots), 32 at B=1 and S=4096 (deep tiles, 396 slots).
+    On the H200 with H_kv = 8 and bf16: 4 splits at B=8 for S = 2048 ... 32768 and 32 at B=1, S=4096
+    (deep tiles, 396 slots); one at B=64 (wide tiles, 660 slots).
     """
     most = max(1, min(tiles, slots // pairs))
     least = min(most, -(-slots // (2 * pairs)))
     return max(range(least, most + 1), key=lambda n: (tiles / (n * -(-tiles // n)), n))
-
-
-def merge_tile(H_q: int, H_kv: int, D: int) -> int:
-    """How many splits' partials the merge reads at a time."""
-    return max(1, MERGE_ELEMENTS // (triton.next_power_of_2(H_q // H_kv) * D))
 
 
 def _constexprs(H_q: int, H_kv: int, D: int, P: int, tiles: Tiles) -> dict[str, int]:
@@ -282,7 +267,7 @@ def _constexprs(H_q: int, H_kv: int, D: int, P: int, tiles: Tiles) -> dict[str, 
     group_p2 = triton.next_power_of_2(group)
     return dict(
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, group_p2), GROUP_P2=group_p2,
-        MERGE_TILE=merge_tile(H_q, H_kv, D), D=D, P=P, BLOCK_N=tiles.block_n,
+        MERGE_TILE=max(1, MERGE_ELEMENTS // (group_p2 * D)), D=D, P=P, BLOCK_N=tiles.block_n,
         num_warps=NUM_WARPS, num_stages=tiles.num_stages,
     )
 
