@@ -207,7 +207,7 @@ def tiles_for(dtype: torch.dtype, pairs: int, deep_slots: Callable[[], int]) -> 
     S = 4096, P = 16; results/logs/h200_decode_splits.txt, section 8), deep against wide in % of copy,
     interleaved: B=1 33.7 / 26.9 (32 splits against 64), B=2 54.6 / 48.4, B=4 72.1 / 69.9, B=24
     96.2 / 95.0, B=32 102.7 / 100.9 (one split against two); B=8 and 16 alike at P = 8 and 16 (deep
-    -1.1 to +0.7 in six calls, -0.2 on average), ahead at P = 64 and 256 (+0.7 to +1.8). Past two
+    -1.1 to +0.7 in seven calls, -0.2 on average), ahead at P = 64 and 256 (+0.7 to +1.8). Past two
     thirds: B=40 98.3 / 100.7 and 96.0 / 97.0, B=48 99.0 / 101.1.
     """
     if dtype == torch.float32:
