@@ -182,7 +182,7 @@ def no_slots() -> int:
     [
         (torch.bfloat16, 8, 396, DEEP_TILES),  # B=1 at H_kv=8 on the H200
         (torch.bfloat16, 64, 396, DEEP_TILES),  # B=8
-        (torch.bfloat16, 264, 396, DEEP_TILES),  # B=33: two thirds of a deep wave, the last step deep
+        (torch.bfloat16, 264, 396, DEEP_TILES),  # B=33: two thirds of a deep wave, the largest batch still deep
         (torch.bfloat16, 265, 396, WIDE_TILES),
         (torch.float16, 512, 396, WIDE_TILES),  # B=64: a deep wave would not hold it
         (torch.bfloat16, 1, 1, WIDE_TILES),  # the interpreter: one program at a time
