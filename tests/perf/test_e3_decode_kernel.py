@@ -13,6 +13,7 @@ timed by the host clock, only so that the code cannot rot.
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,13 @@ def launched_seconds(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def interleaved_seconds(*fns: Callable[[], object], rounds: int = 5) -> list[float]:
+    """Median of `rounds` launched_seconds per fn, the fns taking turns, so that a clock or thermal
+    swing during the run lands on all of them rather than on whichever ran then."""
+    times = [[launched_seconds(fn) for fn in fns] for _ in range(rounds if HAS_CUDA else 1)]
+    return [statistics.median(column) for column in zip(*times, strict=True)]
 
 
 def graph_seconds(fns: list[Callable[[], object]]) -> float:
@@ -336,7 +344,7 @@ def test_e3_prefill(benchmark, device, B, T, P):
     err = relative_error(triton_fn(), expected)
     assert err < 2e-2, f"triton prefill disagrees with SDPA: relative error {err:.3g}"
 
-    seconds, sdpa_seconds = launched_seconds(triton_fn), launched_seconds(sdpa_fn)
+    seconds, sdpa_seconds = interleaved_seconds(triton_fn, sdpa_fn)
     flops = 4 * B * s.H_q * s.D * T * (T + 1) / 2  # QK^T and PV over the causal half
     benchmark.extra_info.update(
         experiment="e3_prefill",
@@ -351,7 +359,7 @@ def test_e3_prefill(benchmark, device, B, T, P):
         tflops=flops / seconds / 1e12,
         sdpa_tflops=flops / sdpa_seconds / 1e12,
         rel_err_vs_sdpa=err,
-        timer="do_bench median" if HAS_CUDA else "host clock, one call",
+        timer="median of 5 do_bench medians, interleaved with SDPA's" if HAS_CUDA else "host clock, one call",
         **environment(device),
     )
     benchmark.pedantic(triton_fn, rounds=1, iterations=1)
