@@ -70,6 +70,7 @@ def test_bad_sampling_params(kwargs, message):
         (dict(dtype="int8"), "unknown dtype"),
         (dict(block_size=0), "block_size must be >= 1"),
         (dict(num_blocks=0), "num_blocks must be >= 1"),
+        (dict(attention="triton", max_num_seqs=65536), "the triton backend decodes at most 65535 per step"),
         (dict(model="no-such-model"), "unknown model 'no-such-model'"),
     ],
 )

@@ -59,7 +59,7 @@ def tile_config(request, monkeypatch) -> Tiles:
     return request.param
 
 
-def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> DecodeSplits:
+def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> None:
     """Two launches over one plan, as a step's layers use it, each on NaN-poisoned scratch: a merge
     that read a split's part before it was stored, or counters not ready again, fail here."""
     B, H_q, D = case.q.shape
@@ -74,7 +74,6 @@ def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> DecodeSpl
         decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, D**-0.5, splits, out)
         assert_matches(out, ref)
         assert not splits.arrivals.any(), "arrival counters not reset after the launch"
-    return splits
 
 
 @pytest.mark.parametrize(("group", "D", "P", "context_lens", "num_splits"), CPU_CASES)
@@ -90,7 +89,7 @@ def test_decode_gpu(device, monkeypatch, group, D, P, dtype, tiles):
     H_kv = 8
     case = make_case(group * H_kv, H_kv, D, P, [1] * len(GPU_LENS), GPU_LENS, dtype, device, P + D + group)
     use_tiles(monkeypatch, tiles)
-    assert assert_decodes(case, None, reference(case, D**-0.5)).tiles == tiles
+    assert_decodes(case, None, reference(case, D**-0.5))
 
 
 @pytest.mark.skipif(
@@ -156,11 +155,11 @@ def test_decode_single_request_splits(device):
 @pytest.mark.parametrize(
     ("pairs", "tiles", "slots", "expected"),
     [
-        (64, 128, 660, 8),  # B=8, S=4096, bf16 on the H200 (5 programs per SM): 6..10 splits fit, 8 deal 16 tiles each
+        (64, 128, 660, 8),  # B=8, S=4096 under wide tiles (5 programs per SM): 6..10 splits fit, 8 deal 16 each
         (64, 256, 660, 8),  # S=8192: 32 tiles each
         (64, 67, 660, 10),  # no count deals 67 evenly: 7 and 10 splits waste as little; more splits win the tie
         (64, 67, 528, 7),  # with 4 programs per SM (bf16 64-token tiles before 1f59403) 10 no longer fit: 5 or 7
-        (8, 128, 660, 64),  # B=1: 42..82 splits fill half a wave to one; 64 deal 2 tiles each
+        (8, 128, 660, 64),  # B=1 under wide tiles: 42..82 splits fill half a wave to one; 64 deal 2 tiles each
         (512, 64, 660, 1),  # B=64: one split per program already fills the GPU about once
         (512, 1280, 660, 1),  # a CUDA graph's plan for a 40960-token table: still never past one wave
         (8, 3, 660, 3),  # never more splits than tiles
@@ -195,6 +194,32 @@ def test_tiles_for(dtype, pairs, deep_slots, expected):
     assert tiles_for(dtype, pairs, slots) == expected
 
 
+@pytest.mark.parametrize(
+    ("B", "dtype", "tiles", "num_splits"),
+    [
+        (1, torch.bfloat16, DEEP_TILES, 32),
+        (8, torch.bfloat16, DEEP_TILES, 4),
+        (64, torch.bfloat16, WIDE_TILES, 1),
+        (8, torch.float32, FLOAT32_TILES, 4),  # float32 asks only for its own tiles' slots
+    ],
+)
+def test_plan_takes_slots_of_its_tiles(monkeypatch, B, dtype, tiles, num_splits):
+    """The plan weighs the deep tiles' occupancy and splits by the chosen tiles' own. Occupancy is the
+    GPU's answer (test_resident_programs); here the H200's, so that the wiring runs on the CPU too."""
+    occupancy = {DEEP_TILES: 396, WIDE_TILES: 660, FLOAT32_TILES: 264}
+    asked = []
+
+    def resident(device, dtype, H_q, H_kv, D, P, tiles):
+        asked.append(tiles)
+        return occupancy[tiles]
+
+    monkeypatch.setattr(decode, "resident_programs", resident)
+    splits = DecodeSplits.plan(B, 16, 8, 128, 16, dtype, 4096, "cpu")
+    assert splits.tiles == tiles
+    assert splits.lse.shape[2] == num_splits
+    assert asked[-1] == tiles and set(asked) <= set(tile_options(dtype))
+
+
 @gpu
 @pytest.mark.parametrize(
     ("dtype", "tiles"), [(dtype, tiles) for dtype in (torch.bfloat16, torch.float32) for tiles in tile_options(dtype)]
@@ -212,3 +237,11 @@ def test_resident_programs(device, dtype, tiles):
     assert status == 0, f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUresult {status}"
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     assert resident_programs(device, dtype, 16, 8, 128, 16, tiles) == per_sm.value * sms
+
+
+@gpu
+def test_resident_programs_of_tiles_too_big(device):
+    """Tiles whose program needs more shared memory than a block may have hold no slots (so the plan
+    never picks them) instead of failing: float32 at 256 tokens, three stages, is ~0.5 MB."""
+    assert resident_programs(device, torch.float32, 16, 8, 128, 16, Tiles(256, 3)) == 0
+    assert tiles_for(torch.bfloat16, 8, lambda: 0) == WIDE_TILES

@@ -40,6 +40,7 @@ BACKENDS = ("triton", "paged", "flex")
 GPU_DECODE = [(8, s, p) for p in (8, 16, 64, 256) for s in SIZES]
 GPU_DECODE += [(1, s, 16) for s in (512, 4096, 32768)] + [(64, s, 16) for s in (512, 2048, 8192)]
 GPU_PREFILL = [(4, 4096, p) for p in (16, 256)]  # (B, T, P)
+ROUNDS = 5  # turns each timed function takes in interleaved_seconds
 ROTATION_BYTES = 256 << 20  # decode data cycled through per timing: several times the H200's 60 MB L2
 
 
@@ -87,11 +88,14 @@ def launched_seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def interleaved_seconds(*fns: Callable[[], object], rounds: int = 5) -> list[float]:
-    """Median of `rounds` launched_seconds per fn, the fns taking turns, so that a clock or thermal
-    swing during the run lands on all of them rather than on whichever ran then."""
-    times = [[launched_seconds(fn) for fn in fns] for _ in range(rounds if HAS_CUDA else 1)]
-    return [statistics.median(column) for column in zip(*times, strict=True)]
+def interleaved_seconds(*fns: Callable[[], object]) -> list[float]:
+    """Median of ROUNDS launched_seconds per fn (one on the CPU), the fns taking turns, first to last
+    and back, so that a clock or thermal swing during the run, or going first, lands on all of them."""
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(ROUNDS if HAS_CUDA else 1):
+        for i in range(len(fns))[:: 1 if r % 2 == 0 else -1]:
+            times[i].append(launched_seconds(fns[i]))
+    return [statistics.median(t) for t in times]
 
 
 def graph_seconds(fns: list[Callable[[], object]]) -> float:
@@ -359,7 +363,7 @@ def test_e3_prefill(benchmark, device, B, T, P):
         tflops=flops / seconds / 1e12,
         sdpa_tflops=flops / sdpa_seconds / 1e12,
         rel_err_vs_sdpa=err,
-        timer="median of 5 do_bench medians, interleaved with SDPA's" if HAS_CUDA else "host clock, one call",
+        timer=f"median of {ROUNDS} do_bench medians, in turns with SDPA's" if HAS_CUDA else "host clock, one call",
         **environment(device),
     )
     benchmark.pedantic(triton_fn, rounds=1, iterations=1)

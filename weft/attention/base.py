@@ -53,6 +53,7 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     cuda_graphs: ClassVar[bool] = False  # decode steps can be captured (weft.inference.cuda_graphs)
+    max_decodes: ClassVar[int | None] = None  # most decodes one step can hold, if bounded
 
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device

@@ -29,6 +29,7 @@ class TritonStep:
 class TritonBackend(AttentionBackend):
     name = "triton"
     cuda_graphs = True  # `plan` needs only host ints; the kernels read every length from device memory
+    max_decodes = 65535  # the decode kernel's grid holds requests on its third axis
     slab_shape = staticmethod(PagedBackend.slab_shape)
 
     def __init__(

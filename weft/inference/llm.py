@@ -64,6 +64,12 @@ class LLM:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.max_num_seqs = max_num_seqs or 256
+        most = self.backend_cls.max_decodes
+        if most is not None and self.max_num_seqs > most:
+            raise ValueError(
+                f"max_num_seqs is {self.max_num_seqs}; the {attention} backend decodes at most {most} per step"
+            )
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.device = torch.device(device)
@@ -82,7 +88,6 @@ class LLM:
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
 
         self.max_model_len = min(max_model_len or cfg.max_model_len, cfg.max_model_len)
-        self.max_num_seqs = max_num_seqs or 256
         self.max_num_batched_tokens = max_num_batched_tokens or self.max_model_len
         self.gpu_memory_utilization = gpu_memory_utilization
         self.requested_blocks = num_blocks

@@ -47,9 +47,10 @@ def _split_kernel(
     D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Splits vary fastest in the grid, so that the programs dispatched last (which the memory serves
-    # last) are all of the last few (request, KV head) pairs rather than one split of every pair:
-    # +0.1 to +0.8 points of copy at B=8 S=4096 in three calls, -0.3 to +0.5 at other S
-    # (results/logs/h200_decode_splits.txt, section 8).
+    # last) are all of the last few (request, KV head) pairs rather than one split of every pair.
+    # Measured with wide tiles against the request varying fastest: +0.1 to +0.8 points of copy at
+    # B=8 S=4096 in three calls, -0.3 to +0.5 at other S, +1.1 to +1.7 at B=40, -0.3 to -0.9 at B=1
+    # and 2, where deep tiles run now (results/logs/h200_decode_splits.txt, section 8).
     split = tl.program_id(0)
     h_kv = tl.program_id(1)
     b = tl.program_id(2)
@@ -200,19 +201,22 @@ def tiles_for(dtype: torch.dtype, pairs: int, deep_slots: Callable[[], int]) -> 
     """The tiles for a step of `pairs` (request, KV head) pairs; `deep_slots()`: how many deep
     programs the GPU holds at once.
 
-    Deep tiles while the pairs fill at most two thirds of a wave of them, wide ones beyond. A deep
-    program holds 64 tokens in flight where a wide one holds 32, so a small step splits into half as
-    many programs, whose merges have half as many partials to read (one L2 round trip per 8), or
-    none left. Past two thirds, the wide tiles' extra programs per SM win. On the H200 (H_kv = 8,
-    S = 4096, P = 16; results/logs/h200_decode_splits.txt, section 8), deep against wide in % of copy,
-    interleaved: B=1 33.7 / 26.9 (32 splits against 64), B=2 54.6 / 48.4, B=4 72.1 / 69.9, B=24
-    96.2 / 95.0, B=32 102.7 / 100.9 (one split against two); B=8 and 16 alike at P = 8 and 16 (deep
-    -1.1 to +0.7 in seven calls, -0.2 on average), ahead at P = 64 and 256 (+0.7 to +1.8). Past two
-    thirds: B=40 98.3 / 100.7 and 96.0 / 97.0, B=48 99.0 / 101.1.
+    Deep tiles while the pairs fill at most two thirds of a wave of them, wide ones beyond; a GPU
+    that cannot hold a deep program (0 slots) always gets wide ones. A deep program holds 64 tokens
+    in flight where a wide one holds 32, so a small step splits into half as many programs, whose
+    merges have half as many partials to read (one L2 round trip per 8), or none left. Past two
+    thirds, the wide tiles' extra programs per SM win. On the H200 (H_kv = 8, S = 4096, P = 16;
+    results/logs/h200_decode_splits.txt, section 8), deep against wide in % of copy, each pair from
+    one call: B=1 33.7 / 26.9 (32 splits against 64), B=2 54.6 / 48.4, B=4 72.1 / 69.9, B=24 96.2 /
+    95.0, B=32 102.7 / 100.9 (one split against two); B=8 alike at P = 8 and 16 (deep -1.1 to +0.7
+    over the calls that measured both, -0.2 on average), ahead at P = 64 and 256 (+0.7 to +1.8), and
+    B=16 alike at P = 16. Past two thirds: B=40 98.3 / 100.7 and 96.0 / 97.0, B=48 99.0 / 101.1.
     """
-    if dtype == torch.float32:
-        return FLOAT32_TILES
-    return DEEP_TILES if 3 * pairs <= 2 * deep_slots() else WIDE_TILES
+    options = tile_options(dtype)
+    if len(options) == 1:
+        return options[0]
+    deep, wide = options
+    return deep if 3 * pairs <= 2 * deep_slots() else wide
 
 
 @dataclass
@@ -293,10 +297,14 @@ def resident_programs(
     device: torch.device, dtype: torch.dtype, H_q: int, H_kv: int, D: int, P: int, tiles: Tiles
 ) -> int:
     """How many programs of the kernel the GPU holds at once: SMs x programs per SM, as the compiled
-    kernel's shared memory and registers allow. 1 under Triton's interpreter (one at a time)."""
+    kernel's shared memory and registers allow. 1 under Triton's interpreter (one at a time); 0 where
+    one program needs more shared memory than this GPU gives a block (deep tiles take ~72 KB)."""
     if device.type != "cuda":
         return 1
-    kernel = compiled_kernel(device, dtype, H_q, H_kv, D, P, tiles)
+    try:
+        kernel = compiled_kernel(device, dtype, H_q, H_kv, D, P, tiles)
+    except triton.runtime.errors.OutOfResources:
+        return 0
     props = torch.cuda.get_device_properties(device)
     threads = 32 * NUM_WARPS
     regs = -(-kernel.n_regs // 8) * 8  # registers are allocated 256 per warp at a time
