@@ -185,6 +185,7 @@ def no_slots() -> int:
         (torch.bfloat16, 265, 396, WIDE_TILES),
         (torch.float16, 512, 396, WIDE_TILES),  # B=64: a deep wave would not hold it
         (torch.bfloat16, 1, 1, WIDE_TILES),  # the interpreter: one program at a time
+        (torch.bfloat16, 1, 0, WIDE_TILES),  # a GPU that cannot hold a deep program at all
         (torch.float32, 8, no_slots, FLOAT32_TILES),
         (torch.float32, 512, no_slots, FLOAT32_TILES),
     ],
@@ -242,6 +243,5 @@ def test_resident_programs(device, dtype, tiles):
 @gpu
 def test_resident_programs_of_tiles_too_big(device):
     """Tiles whose program needs more shared memory than a block may have hold no slots (so the plan
-    never picks them) instead of failing: float32 at 256 tokens, three stages, is ~0.5 MB."""
+    never picks them; test_tiles_for) instead of failing: float32 at 256 tokens, three stages, is ~0.5 MB."""
     assert resident_programs(device, torch.float32, 16, 8, 128, 16, Tiles(256, 3)) == 0
-    assert tiles_for(torch.bfloat16, 8, lambda: 0) == WIDE_TILES
