@@ -7,18 +7,19 @@ Used by main.py and tests/correctness alike.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from transformers import PreTrainedModel
 
 from weft.attention import available_backends
+from weft.benchmark.replay import Arrival, replay_ticks
 from weft.inference.llm import LLM
 from weft.inference.params import SamplingParams
 from weft.inference.scheduler import SCHEDULERS
-from weft.models.loader import LoadedModel
+from weft.models.loader import ModelSource
+from weft.utils import cdiv
 
 PROMPTS = [
     "What is the capital of France?",
@@ -30,9 +31,9 @@ PROMPTS = [
 ]
 
 
-def conformance_prompts(loaded: LoadedModel, count: int = len(PROMPTS)) -> list[list[int]]:
+def conformance_prompts(source: ModelSource, count: int = len(PROMPTS)) -> list[list[int]]:
     """Ragged prompts as token ids: chat-templated PROMPTS, or random ids for a model without a tokenizer."""
-    tok = loaded.tokenizer
+    tok = source.tokenizer
     if tok is not None:
         return [
             tok.apply_chat_template(
@@ -42,7 +43,7 @@ def conformance_prompts(loaded: LoadedModel, count: int = len(PROMPTS)) -> list[
         ]
     gen = torch.Generator().manual_seed(1)
     lengths = (1, 7, 30, 15, 3, 22)[:count]
-    return [torch.randint(0, loaded.config.V, (n,), generator=gen).tolist() for n in lengths]
+    return [torch.randint(0, source.config.V, (n,), generator=gen).tolist() for n in lengths]
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def standard_cases(device: torch.device | str) -> list[Case]:
 
 @torch.inference_mode()
 def hf_reference(
-    hf_model: PreTrainedModel, prompts: list[list[int]], max_tokens: int, ignore_eos: bool
+    hf_model: Any, prompts: list[list[int]], max_tokens: int, ignore_eos: bool
 ) -> list[list[int]]:
     """HF greedy continuations, one prompt at a time (no padding to perturb the numbers)."""
     eos = hf_model.generation_config.eos_token_id
@@ -118,7 +119,7 @@ def hf_reference(
 
 
 def run_case(
-    hf_model: PreTrainedModel,
+    model: Any,
     case: Case,
     prompts: list[list[int]],
     expected: list[list[int]],
@@ -127,20 +128,26 @@ def run_case(
     device: torch.device | str,
     block_size: int = 4,
     ignore_eos: bool = False,
+    progress: bool = False,
 ) -> CaseResult:
-    """Serve `prompts` with weft under `case` and compare each with `expected`."""
+    """Serve `prompts` with a weft `LLM(model)` under `case` and compare each with `expected`.
+
+    `model` is what `LLM` takes: a name or directory (weft reads the weights itself, as a user's
+    engine would), or the in-memory reference model. `progress`: a bar while generate runs.
+    """
     longest = max(len(p) for p in prompts) + max_tokens
-    needs = [-(-(len(p) + max_tokens - 1) // block_size) for p in prompts]  # blocks per request, alone
+    needs = [cdiv(len(p) + max_tokens - 1, block_size) for p in prompts]  # blocks per request, alone
     contiguous = case.attention == "contiguous"
     if case.pool == "small":
         # exactly the prompts' blocks (and at least the largest request's): the continuous scheduler
         # admits every prompt, and the first sequence to outgrow its blocks forces a preemption
-        prompt_blocks = sum(-(-len(p) // block_size) for p in prompts)
+        prompt_blocks = sum(cdiv(len(p), block_size) for p in prompts)
         num_blocks = 2 if contiguous else max(*needs, prompt_blocks)
     else:
         num_blocks = len(prompts) if contiguous else sum(needs)
-    llm = LLM(
-        hf_model,
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    with LLM(
+        model,
         attention=case.attention,
         scheduler=case.scheduler,
         num_blocks=num_blocks,
@@ -148,20 +155,22 @@ def run_case(
         max_model_len=longest if contiguous else None,
         dtype=dtype,
         device=device,
-    )
-    arrivals = [3 * i for i in range(len(prompts))] if case.midflight else None
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-    outs = llm.generate(prompts, params, arrivals=arrivals)
+    ) as llm:
+        engine = llm.llm_engine
+        before = engine.stats.num_preemptions
+        if case.midflight:
+            arrivals = [Arrival(f"midflight-{i}", p, params, 3 * i) for i, p in enumerate(prompts)]
+            outs = replay_ticks(engine, arrivals)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=progress)
+        preemptions = engine.stats.num_preemptions - before
+    got = [o.outputs[0].token_ids for o in outs]
     result = CaseResult(
-        case,
-        [PromptResult(i, e, o.token_ids) for i, (e, o) in enumerate(zip(expected, outs, strict=True))],
-        llm.stats.num_preemptions,
+        case, [PromptResult(i, e, g) for i, (e, g) in enumerate(zip(expected, got, strict=True))], preemptions
     )
     forced = case.pool == "small" and case.scheduler == "continuous" and not contiguous and not case.midflight
     if forced and result.preemptions == 0:
         result.problems.append(f"a pool of {num_blocks} blocks forced no preemption")
-    del llm
-    gc.collect()
     return result
 
 

@@ -4,12 +4,13 @@ import pytest
 
 from weft.benchmark.metrics import measure, percentiles, summarize
 from weft.benchmark.runner import RunConfig
-from weft.inference.outputs import RequestMetrics, RequestOutput
+from weft.inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 def output(arrival: float, times: list[float], prompt_len: int = 4) -> RequestOutput:
-    metrics = RequestMetrics(0, arrival, arrival, times, times[-1] if times else None)
-    return RequestOutput(0, [1] * prompt_len, [7] * len(times), "", "length", metrics)
+    metrics = RequestMetrics(arrival, arrival, times, times[-1] if times else None)
+    completion = CompletionOutput(0, "", [7] * len(times), "length")
+    return RequestOutput(0, None, [1] * prompt_len, [completion], True, metrics)
 
 
 def test_percentiles_interpolate_and_name_their_keys():

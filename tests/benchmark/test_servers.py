@@ -34,8 +34,9 @@ def test_hf_baselines_match_weft_token_for_token(tiny, config):
     finally:
         for s in servers:
             s.close()
-    assert [o.token_ids for o in hf_run.outputs] == [o.token_ids for o in weft_run.outputs]
+    tokens = [[o.outputs[0].token_ids for o in run.outputs] for run in (hf_run, weft_run)]
+    assert tokens[0] == tokens[1]
     for o, r in zip(hf_run.outputs, w.requests, strict=True):
-        assert len(o.token_ids) == r.max_tokens == len(o.metrics.token_times)
+        assert len(o.outputs[0].token_ids) == r.max_tokens == len(o.metrics.token_times)
         assert o.metrics.ttft > 0 and o.metrics.e2e >= o.metrics.ttft
     assert hf_run.window.makespan_s > 0

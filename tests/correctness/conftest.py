@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from weft.conformance import conformance_prompts, hf_reference
-from weft.models.loader import DEFAULT_MODEL, LoadedModel, load_model, packaged_model_available
+from weft.models.loader import DEFAULT_MODEL, ModelSource, packaged_model_available, reference_model, resolve_model
 
 MODELS = [
     "tiny-llama",
@@ -22,7 +22,8 @@ MODELS = [
 
 @dataclass
 class Reference:
-    loaded: LoadedModel
+    source: ModelSource
+    hf_model: object  # the transformers model with the same weights (float32, on the test device)
     prompts: list[list[int]]
     expected: list[list[int]]
     max_tokens: int
@@ -44,11 +45,12 @@ def reference(device: torch.device):
 
     def get(name: str) -> Reference:
         if name not in _references:
-            loaded = load_model(name, torch.float32, device)
-            prompts = conformance_prompts(loaded, count=4 if loaded.tokenizer else 5)
-            ignore_eos = loaded.tokenizer is None  # random weights: run to max_tokens
-            expected = hf_reference(loaded.hf_model, prompts, 24, ignore_eos)
-            _references[name] = Reference(loaded, prompts, expected, 24, ignore_eos)
+            source = resolve_model(name)
+            hf_model = reference_model(source, torch.float32, device)
+            prompts = conformance_prompts(source, count=4 if source.tokenizer else 5)
+            ignore_eos = source.tokenizer is None  # random weights: run to max_tokens
+            expected = hf_reference(hf_model, prompts, 24, ignore_eos)
+            _references[name] = Reference(source, hf_model, prompts, expected, 24, ignore_eos)
         return _references[name]
 
     return get

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from weft import LLM, SamplingParams
+from weft.benchmark.replay import Arrival, replay_ticks
 from weft.attention.paged import PagedBackend
 from weft.inference.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
@@ -22,11 +23,10 @@ def test_batch_sizes_cover_every_batch(max_batch):
         assert size - B < 16 and size < 2 * B
 
 
-def test_refuses_backend_without_graphs(reference):
-    loaded = reference("tiny-llama").loaded
-    llm = LLM(loaded.hf_model, attention="paged", num_blocks=8, block_size=4)
+def test_refuses_backend_without_graphs():
+    engine = LLM("tiny-llama", attention="paged", num_blocks=8, block_size=4, device="cpu").llm_engine
     with pytest.raises(ValueError, match="paged attention cannot be captured"):
-        DecodeGraphs(llm.model, PagedBackend(llm.model_config, 8, 4, torch.float32, torch.device("cpu")), 4, 32)
+        DecodeGraphs(engine.model, PagedBackend(engine.model_config, 8, 4, torch.float32, torch.device("cpu")), 4, 32)
 
 
 @pytest.mark.gpu
@@ -40,11 +40,13 @@ def test_graphs_match_eager(reference, scheduler):
     arrivals = [0, 0, 2, 5, 9]
     outputs = {}
     for eager in (True, False):
-        llm = LLM(ref.loaded.hf_model, attention="triton", scheduler=scheduler, num_blocks=64, block_size=4,
-                  max_num_seqs=8, dtype="float32", device="cuda", enforce_eager=eager)
-        assert (llm.graphs is None) == eager
-        outputs[eager] = [o.token_ids for o in llm.generate(prompts, params, arrivals=arrivals)]
-        if not eager:
-            assert llm.graphs.sizes == [1, 2, 4, 8]
-            assert llm.graphs.replays > 0
+        with LLM("tiny-qwen3", attention="triton", scheduler=scheduler, num_blocks=64, block_size=4,
+                 max_num_seqs=8, dtype="float32", device="cuda", enforce_eager=eager) as llm:
+            graphs = llm.llm_engine.runner.graphs
+            assert (graphs is None) == eager
+            arrived = [Arrival(i, p, sp, tick) for i, (p, sp, tick) in enumerate(zip(prompts, params, arrivals, strict=True))]
+            outputs[eager] = [o.outputs[0].token_ids for o in replay_ticks(llm.llm_engine, arrived)]
+            if not eager:
+                assert graphs.sizes == [1, 2, 4, 8]
+                assert graphs.replays > 0
     assert outputs[False] == outputs[True]

@@ -43,7 +43,7 @@ def test_correct_backend_passes_same_check(reference, device):
 def _check(reference, attention_name, device):
     ref = reference("tiny-llama")
     return run_case(
-        ref.loaded.hf_model,
+        ref.hf_model,
         Case(attention_name, "continuous"),
         ref.prompts,
         ref.expected,

@@ -12,6 +12,7 @@ from weft.inference.params import SamplingParams
 from weft.inference.runner import ModelRunner
 from weft.inference.scheduler import ScheduledBatch
 from weft.inference.sequence import Sequence
+from weft.utils import cdiv
 
 pytestmark = pytest.mark.correctness
 
@@ -22,20 +23,16 @@ def test_prefill_logits_match_hf(model, attention, reference, device):
     ref = reference(model)
     ids = max(ref.prompts, key=len)
     P = 8  # contiguous rows hold max_model_len tokens whatever P is
-    llm = LLM(
-        ref.loaded.hf_model,
-        attention=attention,
-        num_blocks=-(-len(ids) // P),
-        block_size=P,
-        max_model_len=len(ids) + 1,
+    engine = LLM(
+        model, attention=attention, num_blocks=cdiv(len(ids), P), block_size=P, max_model_len=len(ids) + 1,
         device=device,
-    )
-    seq = Sequence(0, list(ids), len(ids), SamplingParams(), len(ids) + 1, RequestMetrics(0, 0.0))
-    BlockManager(llm.attn.num_blocks, llm.attn.block_size).grow(seq, len(ids))
+    ).llm_engine
+    attn, weft_model = engine.runner.attn, engine.model
+    seq = Sequence(0, list(ids), len(ids), SamplingParams(), len(ids) + 1, RequestMetrics(0.0))
+    BlockManager(attn.num_blocks, attn.block_size).grow(seq, len(ids))
     batch = ScheduledBatch()
     batch.add(seq, len(ids))
-    runner = ModelRunner(llm.model, llm.attn, llm.device)
-    x = runner.prepare(batch)
-    logits = llm.model.logits(llm.model(x.input_ids, x.positions, llm.attn, llm.attn.prepare(x.meta)))  # [T, V]
-    expected = ref.loaded.hf_model(torch.tensor([ids], device=device)).logits[0].float()
+    x = ModelRunner(weft_model, attn, device).prepare(batch)
+    logits = weft_model.logits(weft_model(x.input_ids, x.positions, attn, attn.prepare(x.meta)))  # [T, V]
+    expected = ref.hf_model(torch.tensor([ids], device=device)).logits[0].float()
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

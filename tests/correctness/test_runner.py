@@ -12,6 +12,7 @@ from weft.inference.params import SamplingParams
 from weft.inference.runner import ModelRunner
 from weft.inference.scheduler import ScheduledBatch
 from weft.inference.sequence import Sequence
+from weft.utils import cdiv
 
 pytestmark = pytest.mark.correctness
 P = 4
@@ -22,11 +23,9 @@ CFG = ModelConfig(
 
 
 def sequence(seq_id: int, num_tokens: int, num_computed: int) -> Sequence:
-    seq = Sequence(
-        seq_id, list(range(num_tokens)), num_tokens, SamplingParams(), num_tokens + 8, RequestMetrics(0, 0.0)
-    )
+    seq = Sequence(seq_id, list(range(num_tokens)), num_tokens, SamplingParams(), num_tokens + 8, RequestMetrics(0.0))
     seq.num_computed_tokens = num_computed
-    seq.block_table = list(range(10 * seq_id, 10 * seq_id + -(-num_tokens // P)))
+    seq.block_table = list(range(10 * seq_id, 10 * seq_id + cdiv(num_tokens, P)))
     return seq
 
 

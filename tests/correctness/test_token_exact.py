@@ -25,7 +25,7 @@ EVERY_CASE = [
 def test_matches_hf(model, case, reference, device):
     ref = reference(model)
     result = run_case(
-        ref.loaded.hf_model,
+        model,  # by name: weft loads the weights its own way, HF its own
         case,
         ref.prompts,
         ref.expected,

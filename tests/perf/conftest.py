@@ -31,8 +31,8 @@ from weft.benchmark.metrics import Served
 from weft.benchmark.profiling import top_ops
 from weft.benchmark.runner import RunConfig, Server, make_server, record, release, unrelated_bytes
 from weft.benchmark.workloads import Workload
-from weft.inference.llm import DTYPES
-from weft.models.loader import load_model
+from weft.inference.config import DTYPES
+from weft.models.loader import reference_model, resolve_model
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -145,7 +145,7 @@ def build_model(name: str, dtype: str, device: torch.device, logit_gain: float) 
     `logit_gain` scales the final norm, hence the logits: a peakier model has no near-ties
     for greedy decoding to flip on when the same math is summed in another order.
     """
-    model = load_model(name, DTYPES[dtype], device).hf_model
+    model = reference_model(resolve_model(name), DTYPES[dtype], device)
     with torch.no_grad():
         model.model.norm.weight.mul_(logit_gain)
     return model

@@ -27,7 +27,7 @@ def e5_workload(sizes, model_for):
 def unpressured_tokens(sizes, model_for, device, e5_workload):
     model = model_for(sizes.model, DTYPE, LOGIT_GAIN)
     server = make_server(RunConfig(attention=sizes.attention), model, e5_workload, DTYPE, device)
-    tokens = [o.token_ids for o in server.serve(e5_workload).outputs]
+    tokens = [o.outputs[0].token_ids for o in server.serve(e5_workload).outputs]
     server.close()
     del server
     release(device)
@@ -40,5 +40,5 @@ def test_e5_pool_sweep(run_benchmark, sizes, e5_workload, unpressured_tokens, e5
         "e5", config, e5_workload, model=sizes.model, dtype=DTYPE, logit_gain=LOGIT_GAIN,
         full_pool_blocks=e5_workload.blocks_needed(config.block_size),
     )
-    differ = [i for i, o in enumerate(served.outputs) if o.token_ids != unpressured_tokens[i]]
+    differ = [i for i, o in enumerate(served.outputs) if o.outputs[0].token_ids != unpressured_tokens[i]]
     assert not differ, f"requests {differ} got other tokens than in the unpressured run"

@@ -10,6 +10,8 @@ over it. A backend whose per-step state has fixed shapes for a given batch size
 
 from __future__ import annotations
 
+import math
+import mmap
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -54,18 +56,24 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     cuda_graphs: ClassVar[bool] = False  # decode steps can be captured (weft.inference.cuda_graphs)
     max_decodes: ClassVar[int | None] = None  # most decodes one step can hold, if bounded
+    row_per_request: ClassVar[bool] = False  # a block is a request's whole row of max_model_len slots
 
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"{self.name}: need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.check_model(cfg)
         self.cfg = cfg
         self.num_blocks = num_blocks  # N
         self.block_size = block_size  # P
         self.scale = cfg.D**-0.5
         # zeros, not empty: padded reads multiply masked slots by 0, and 0 * NaN garbage is NaN
-        self.kv_cache = torch.zeros(self.slab_shape(cfg, num_blocks, block_size), dtype=dtype, device=device)
+        self.kv_cache = zeros(self.slab_shape(cfg, num_blocks, block_size), dtype, device)
+
+    @classmethod  # noqa: B027 (a backend that runs every model shape keeps this)
+    def check_model(cls, cfg: ModelConfig) -> None:
+        """Raises ValueError for a model shape this backend cannot run."""
 
     @staticmethod
     @abstractmethod
@@ -101,3 +109,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, step: Any) -> torch.Tensor:
         """Causal attention of q [T_total, H_q, D] over each request's cached tokens."""
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU it views an anonymous memory map, which the kernel hands out
+    zeroed and backs page by page as it is written: a pool of gigabytes costs nothing until used."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=numel).view(shape)

@@ -15,6 +15,7 @@ from weft.config import ModelConfig
 
 class ContiguousBackend(AttentionBackend):
     name = "contiguous"
+    row_per_request = True
 
     @staticmethod
     def slab_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from weft.benchmark.metrics import Served, measure
 from weft.benchmark.workloads import Request, Workload
-from weft.inference.outputs import RequestMetrics, RequestOutput
+from weft.inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 PAD_TOKEN_ID = 0  # masked out by the attention mask, so any id will do
 RESULT_POLL_S = 1.0
@@ -38,8 +38,9 @@ def _require_offline(workload: Workload, engine: str) -> None:
 def _output(
     i: int, request: Request, tokens: list[int], arrival: float, scheduled: float, times: list[float]
 ) -> RequestOutput:
-    metrics = RequestMetrics(0, arrival, scheduled, times, times[-1] if times else None)
-    return RequestOutput(i, list(request.prompt_token_ids), tokens, "", "length", metrics)
+    metrics = RequestMetrics(arrival, scheduled, times, times[-1] if times else None)
+    completion = CompletionOutput(0, "", tokens, "length")
+    return RequestOutput(i, None, list(request.prompt_token_ids), [completion], True, metrics)
 
 
 class StepClock(BaseStreamer):

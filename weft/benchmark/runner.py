@@ -6,6 +6,7 @@ pool and compiled kernels), serves workloads, and describes itself for the recor
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 from dataclasses import dataclass
@@ -15,13 +16,14 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation import ContinuousBatchingConfig
 
-import weft
-from weft.attention import available_backends
 from weft.benchmark.environment import device_name, git_sha
 from weft.benchmark.hf_baselines import HFContinuousBatching, HFGenerate
 from weft.benchmark.metrics import Served, measure
+from weft.benchmark.replay import Arrival, replay_ticks
 from weft.benchmark.workloads import Workload
-from weft.inference.scheduler import SCHEDULERS
+from weft.inference.config import EngineConfig, check_names
+from weft.inference.engine import LLMEngine
+from weft.inference.params import SamplingParams
 
 ENGINES = ("weft", "hf_generate", "hf_generate_batch")
 
@@ -42,11 +44,7 @@ class RunConfig:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}: choose from {', '.join(ENGINES)}")
         if self.engine == "weft":
-            if self.scheduler not in SCHEDULERS:
-                raise ValueError(f"unknown scheduler {self.scheduler!r}: choose from {', '.join(SCHEDULERS)}")
-            backends = available_backends()
-            if self.attention not in backends:
-                raise ValueError(f"unknown attention {self.attention!r}: choose from {', '.join(backends)}")
+            check_names(self.attention, self.scheduler)
         if not 0 < self.pool_fraction <= 1:
             raise ValueError(f"pool_fraction must be in (0, 1], got {self.pool_fraction}")
 
@@ -73,64 +71,71 @@ class Server(Protocol):
         ...
 
 
-def greedy(max_tokens: int) -> weft.SamplingParams:
+def greedy(max_tokens: int) -> SamplingParams:
     """Benchmarks decode greedily and never stop early, so every engine does the same work."""
-    return weft.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 class WeftServer:
-    """A `weft.LLM` whose pool is sized for `workload`: every request fits at once at pool_fraction 1."""
+    """A persistent weft engine whose pool is sized for `workload`: every request fits at once at
+    pool_fraction 1. Each `serve` replays a workload's arrival ticks into it."""
 
     def __init__(
         self, model: PreTrainedModel, config: RunConfig, workload: Workload, dtype: str, device: torch.device
     ) -> None:
         self.config = config
-        self.device = device
-        self.max_num_seqs = config.max_num_seqs or len(workload)
-        # The token budget never limits admission: batches are bounded by max_num_seqs and the pool,
-        # so the static scheduler forms the batches it is meant to (it cannot split a prefill).
-        self.max_num_batched_tokens = workload.input_tokens
+        max_num_seqs = config.max_num_seqs or len(workload)
         if config.attention == "contiguous":
-            num_blocks = self.max_num_seqs  # rows of S_max = max_model_len slots
+            num_blocks = max_num_seqs  # rows of S_max = max_model_len slots
         else:
             P = config.block_size
             shrunk = math.ceil(workload.blocks_needed(P) * config.pool_fraction)
             num_blocks = max(shrunk, workload.largest_request_blocks(P))
-        self.llm = weft.LLM(
-            model,
+        self.engine_config = EngineConfig(
+            model=model,
             attention=config.attention,
             scheduler=config.scheduler,
             num_blocks=num_blocks,
             block_size=config.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            # The token budget never limits admission: batches are bounded by max_num_seqs and the pool,
+            # so the static scheduler forms the batches it is meant to (it cannot split a prefill).
+            max_num_batched_tokens=workload.input_tokens,
             max_model_len=workload.max_len,
             dtype=dtype,
             device=device,
         )
+        self.engine = LLMEngine(self.engine_config)
+        self.runs = 0
 
     def serve(self, workload: Workload) -> Served:
-        params = [greedy(r.max_tokens) for r in workload.requests]
-        with measure(self.device) as window:
-            outputs = self.llm.generate(workload.prompts, params, arrivals=workload.arrivals)
-        stats = self.llm.stats
+        self.runs += 1
+        arrivals = [
+            Arrival(f"run{self.runs}-{i}", list(r.prompt_token_ids), greedy(r.max_tokens), r.arrival_tick)
+            for i, r in enumerate(workload.requests)
+        ]
+        before = dataclasses.replace(self.engine.stats)
+        with measure(self.engine_config.device) as window:
+            outputs = replay_ticks(self.engine, arrivals)
+        stats = self.engine.stats.since(before)
         return Served(outputs, window, stats.num_preemptions, stats.recomputed_tokens, stats.steps)
 
     def describe(self) -> dict[str, object]:
+        c, pool = self.engine.config, self.engine.pool
         return {
             "engine": "weft",
-            "scheduler": self.config.scheduler,
-            "attention": self.config.attention,
-            "pool_blocks": self.llm.num_blocks,
-            "block_size": self.llm.block_size,
+            "scheduler": c.scheduler,
+            "attention": c.attention,
+            "pool_blocks": pool.num_blocks,
+            "block_size": pool.block_size,
             "pool_fraction": self.config.pool_fraction,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "cuda_graphs": self.llm.graphs is not None,  # decode steps replayed from CUDA graphs
+            "max_num_seqs": c.max_num_seqs,
+            "max_num_batched_tokens": c.max_num_batched_tokens,
+            "cuda_graphs": self.engine.runner.graphs is not None,  # decode steps replayed from CUDA graphs
         }
 
     def close(self) -> None:
-        del self.llm
+        self.engine.close()
 
 
 def make_server(
@@ -203,6 +208,7 @@ def record(
         "steps": served.steps,
         # requests that got fewer tokens than asked for (a baseline that failed or stopped early)
         "incomplete_requests": sum(
-            len(o.token_ids) < r.max_tokens for o, r in zip(served.outputs, workload.requests, strict=True)
+            len(o.outputs[0].token_ids) < r.max_tokens
+            for o, r in zip(served.outputs, workload.requests, strict=True)
         ),
     }

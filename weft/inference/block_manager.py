@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import deque
 
 from weft.inference.sequence import Sequence
+from weft.utils import cdiv
 
 
 class BlockManager:
@@ -17,7 +18,8 @@ class BlockManager:
         self.free_blocks: deque[int] = deque(range(num_blocks))
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """Blocks that hold `num_tokens` cache slots."""
+        return cdiv(num_tokens, self.block_size)
 
     @property
     def num_free(self) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.models.llama import LlamaForCausalLM
+from weft.utils import cdiv
 
 MAX_GRAPH_BATCH = 256  # larger decode batches run eagerly (their launches are amortized anyway)
 
@@ -82,7 +83,7 @@ class DecodeGraphs:
         self.model = model
         self.attn = attn
         self.sizes = graph_batch_sizes(min(max_batch, MAX_GRAPH_BATCH))
-        max_blocks = -(-max_model_len // attn.block_size)
+        max_blocks = cdiv(max_model_len, attn.block_size)
         self.inputs = StaticInputs.allocate(self.sizes[-1], max_blocks, attn.block_size, attn.kv_cache.device)
         self.captured: dict[int, CapturedStep] = {}
         self.replays = 0

@@ -1,53 +1,163 @@
-"""LLMEngine: the loop. Each step the scheduler decides, the runner computes, the engine records.
+"""LLMEngine: one model, one KV pool, one scheduler and runner, for as long as the engine lives.
 
-Requests wait in `pending` until their arrival tick (one tick per step); when nothing is
-running and nobody has arrived yet, the clock jumps to the next arrival.
+vLLM's interface: `add_request` queues a request (every check runs here, before any work),
+`step` runs one forward pass over what the scheduler picks and returns the outputs it
+produced, `abort_request` drops a request and frees its blocks at once. Everything the engine
+holds is built in `__init__`: weights are read once, the pool is sized once, CUDA graphs are
+captured once. The engine keeps no clock of its own: callers decide when requests arrive.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import time
+from collections.abc import Iterable
 
-from weft.inference.outputs import EngineStats
+import torch
+
+from weft.inference.block_manager import BlockManager
+from weft.inference.config import EngineConfig
+from weft.inference.cuda_graphs import DecodeGraphs
+from weft.inference.detokenizer import IncrementalDetokenizer
+from weft.inference.inputs import parse_prompt
+from weft.inference.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from weft.inference.params import RequestOutputKind, check_sampling_params
+from weft.inference.pool import plan_pool
 from weft.inference.runner import ModelRunner
-from weft.inference.scheduler import Scheduler
+from weft.inference.scheduler import SCHEDULERS
 from weft.inference.sequence import Sequence
+from weft.models import build_model
+from weft.models.loader import resolve_model
+
+logger = logging.getLogger(__name__)
+
+RequestId = str | int
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_ids: frozenset[int], max_model_len: int) -> None:
-        self.runner = runner
-        self.scheduler = scheduler
-        self.eos_ids = eos_ids
-        self.max_model_len = max_model_len
+    def __init__(self, config: EngineConfig) -> None:
+        source = resolve_model(config.model)
+        self.config = config = config.for_model(source.config)
+        self.model_name = source.name
+        self.model_config = source.config
+        self.tokenizer = source.tokenizer
+        self.eos_token_ids = source.eos_token_ids
+        device = config.device
+        self.model = build_model(source.config, config.torch_dtype, device)
+        source.load_into(self.model)
+        self.pool = plan_pool(config, source.config)  # after the weights: on CUDA it sizes from what is left
+        attn = config.backend(source.config, self.pool.num_blocks, self.pool.block_size, config.torch_dtype, device)
+        logger.info("%s: %s", source.name, self.pool.describe(config))
+        blocks = BlockManager(self.pool.num_blocks, self.pool.block_size)
+        self.scheduler = SCHEDULERS[config.scheduler](blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        graphs = None
+        if device.type == "cuda" and attn.cuda_graphs and not config.enforce_eager:
+            graphs = DecodeGraphs(self.model, attn, config.max_num_seqs, config.max_model_len)
+        self.runner: ModelRunner | None = ModelRunner(self.model, attn, device, graphs)
+        self.requests: dict[RequestId, Sequence] = {}  # in flight: queued or running
         self.stats = EngineStats()
-        self.tick = 0
-        self.pending: list[Sequence] = []  # not yet arrived, latest arrival first
 
-    def add_request(self, seq: Sequence) -> None:
-        self.pending.append(seq)
-        self.pending.sort(key=lambda s: (s.metrics.arrival_tick, s.seq_id), reverse=True)
+    # ---- requests in --------------------------------------------------------------------------
 
-    def has_unfinished(self) -> bool:
-        return bool(self.pending) or self.scheduler.has_work()
+    def add_request(
+        self, request_id: RequestId, prompt: object, params: object = None, arrival_time: float | None = None
+    ) -> None:
+        """Queue a request; ValueError (TypeError for a wrong type) before anything is queued.
 
-    def step(self) -> list[Sequence]:
-        """Run one tick; returns the sequences that finished in it."""
-        if not self.scheduler.has_work():
-            self.tick = max(self.tick, self.pending[-1].metrics.arrival_tick)
-        self._admit_arrivals()
+        `prompt`: text, token ids or vLLM's dict forms (weft.inference.inputs); `params`: a
+        SamplingParams (None: the defaults); `arrival_time`: its time.perf_counter instant (now).
+        """
+        self.enqueue(self.make_request(request_id, prompt, params, arrival_time))
+
+    def make_request(
+        self,
+        request_id: RequestId,
+        prompt: object,
+        params: object = None,
+        arrival_time: float | None = None,
+        label: str | None = None,
+    ) -> Sequence:
+        """Check a request and build its state, queueing nothing; `label` names it in errors."""
+        self._check_open()
+        if isinstance(request_id, bool) or not isinstance(request_id, str | int):
+            raise TypeError(f"request_id must be a str or an int, got {request_id!r}")
+        label = label or f"request {request_id!r}"
+        if request_id in self.requests:
+            raise ValueError(f"{label}: request id {request_id!r} is already in flight")
+        params = check_sampling_params(params, label)
+        parsed = parse_prompt(prompt, self.tokenizer, self.model_config.V, label)
+        ids, cfg = parsed.token_ids, self.config
+        if len(ids) >= cfg.max_model_len:
+            raise ValueError(
+                f"{label} has {len(ids)} tokens; the model's context (max_model_len) is {cfg.max_model_len}, "
+                "which must leave room for at least one new token"
+            )
+        if len(ids) > cfg.max_num_batched_tokens:
+            raise ValueError(
+                f"{label} has {len(ids)} tokens, more than max_num_batched_tokens={cfg.max_num_batched_tokens}"
+            )
+        max_tokens = params.max_tokens or cfg.max_model_len
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=list(ids),
+            num_prompt_tokens=len(ids),
+            params=params,
+            max_len=min(len(ids) + max_tokens, cfg.max_model_len),
+            metrics=RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
+            prompt=parsed.text,
+        )
+        blocks = self.scheduler.blocks
+        need = blocks.blocks_for(seq.max_kv_tokens)
+        if need > blocks.num_blocks:
+            raise ValueError(
+                f"{label} needs {seq.max_kv_tokens} cache slots ({need} blocks of {blocks.block_size}); "
+                f"the pool has {blocks.num_blocks} blocks, so it could never run"
+            )
+        if params.seed is not None and not params.greedy:
+            seq.generator = torch.Generator(cfg.device).manual_seed(params.seed)
+        if self.tokenizer is not None and params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+        return seq
+
+    def enqueue(self, seq: Sequence) -> None:
+        """Queue a request `make_request` built."""
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in flight")
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: RequestId | Iterable[RequestId]) -> None:
+        """Drop requests (unknown or finished ids are ignored, as in vLLM); their blocks are free at once."""
+        ids = [request_id] if isinstance(request_id, str | int) else list(request_id)
+        for rid in ids:
+            seq = self.requests.pop(rid, None)
+            if seq is not None:
+                self.scheduler.remove(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One forward pass over what the scheduler picks; -> an output per request that got a token
+        (as its output_kind says: all so far, this step's, or only the final one)."""
+        self._check_open()
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += len(batch.preempted)
         self.stats.recomputed_tokens += sum(lost for _, lost in batch.preempted)
-        self.tick += 1
         if not batch:
-            if not batch.preempted:
-                raise RuntimeError("scheduler made no progress: this is a weft bug, please report it")
+            if self.scheduler.has_work() and not batch.preempted:
+                raise RuntimeError("the scheduler made no progress: this is a weft bug, please report it")
             return []
         self.stats.steps += 1
         start = time.perf_counter()
         sampled, tokens = self.runner.run(batch)
-        now = time.perf_counter()  # the runner's tokens came back to the host: the device is done
+        now = time.perf_counter()  # the sampled ids came back to the host: the device is done
         for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = start
@@ -56,28 +166,62 @@ class LLMEngine:
             else:
                 self.stats.decode_tokens += T
             seq.num_computed_tokens += T
-        finished = []
+        outputs = []
         for seq, token in zip(sampled, tokens, strict=True):
             seq.token_ids.append(token)
             seq.metrics.token_times.append(now)
-            seq.finish_reason = self._finish_reason(seq, token)
+            self._check_stop(seq, token)
             if seq.finish_reason is not None:
                 seq.metrics.finished_time = now
-                self.scheduler.finish(seq)
-                finished.append(seq)
-        return finished
+                self.scheduler.remove(seq)
+                del self.requests[seq.request_id]
+            output = self._output(seq)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
-    def _admit_arrivals(self) -> None:
-        now = time.perf_counter()
-        while self.pending and self.pending[-1].metrics.arrival_tick <= self.tick:
-            seq = self.pending.pop()
-            seq.metrics.arrival_time = now
-            self.scheduler.add(seq)
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        if seq.num_tokens >= seq.max_len:
-            return "length"
-        return None
+        if token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not p.ignore_eos:
+            seq.finish_reason = "stop"
+        elif seq.num_tokens >= seq.max_len:
+            seq.finish_reason = "length"
+
+    def _output(self, seq: Sequence) -> RequestOutput | None:
+        kind, finished = seq.params.output_kind, seq.finish_reason is not None
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        ids = seq.output_token_ids
+        if kind is RequestOutputKind.DELTA:
+            ids, seq.num_returned_tokens = ids[seq.num_returned_tokens :], len(ids)
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.add(seq.token_ids[-1:], final=finished)
+            text = delta if kind is RequestOutputKind.DELTA else seq.detokenizer.text
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        else:
+            text = ""
+        completion = CompletionOutput(0, text, ids, seq.finish_reason, seq.stop_reason)
+        return RequestOutput(
+            seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], [completion], finished, seq.metrics
+        )
+
+    # ---- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the model, the pool and the CUDA graphs; the engine refuses work from here on."""
+        if self.runner is None:
+            return
+        for seq in list(self.requests.values()):
+            self.scheduler.remove(seq)
+        self.requests.clear()
+        self.runner = self.model = None
+        gc.collect()
+        if self.config.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.runner is None:
+            raise RuntimeError("this engine is closed")

@@ -1,16 +1,17 @@
-"""What `LLM.generate` returns: per request tokens, text, why it stopped, and when things happened."""
+"""What the engine returns, in vLLM's shape: a RequestOutput per request, its completion in
+`outputs[0]`, and when things happened; plus the engine's lifetime counters."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock instants (time.perf_counter seconds, taken after the device finished) of one request."""
+    """Instants of one request on time.perf_counter's clock (seconds); token times are taken once the
+    step's sampled ids reached the host, so the device had finished them."""
 
-    arrival_tick: int  # engine step at which the request was admitted to the queue
-    arrival_time: float  # when it entered the queue
+    arrival_time: float  # when `add_request` took it (or the instant its caller gave)
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one per generated token
     finished_time: float | None = None
@@ -37,21 +38,35 @@ class RequestMetrics:
 
 
 @dataclass
-class RequestOutput:
-    request_id: int  # index of the prompt in the `generate` call
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens only
+class CompletionOutput:
+    """One completion of a request (weft generates one per request: index 0)."""
+
+    index: int
     text: str  # token_ids decoded ("" for a model without a tokenizer)
-    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens or the model's context)
+    token_ids: list[int]  # generated tokens only (this step's alone for RequestOutputKind.DELTA)
+    finish_reason: str | None  # "stop" (EOS or a stop token), "length" (max_tokens or the context); None: running
+    stop_reason: int | None = None  # the stop token that ended it, if one of stop_token_ids did
+
+
+@dataclass
+class RequestOutput:
+    request_id: str | int
+    prompt: str | None  # the prompt's text, when it was given as text
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
     metrics: RequestMetrics
 
 
 @dataclass
 class EngineStats:
-    """Counters of one `generate` call."""
+    """Counters over the engine's lifetime; `since` gives those of a stretch of it."""
 
     steps: int = 0
     prefill_tokens: int = 0  # tokens computed in a request's first step after (re-)admission
     decode_tokens: int = 0
     num_preemptions: int = 0
     recomputed_tokens: int = 0  # tokens whose K/V was computed again after a preemption
+
+    def since(self, earlier: EngineStats) -> EngineStats:
+        return EngineStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})

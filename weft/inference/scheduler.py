@@ -1,4 +1,4 @@
-"""Schedulers decide, each tick, which sequences run and how many new tokens each brings.
+"""Schedulers decide, each step, which sequences run and how many new tokens each brings.
 
 - static: a batch is admitted only when the previous one has fully finished; its blocks
   are reserved up front for the longest it can grow, so it never preempts.
@@ -19,7 +19,7 @@ from weft.inference.sequence import Sequence, Status
 
 @dataclass
 class ScheduledBatch:
-    """One tick's work: seqs[i] computes its tokens [num_computed_tokens, +num_new_tokens[i])."""
+    """One step's work: seqs[i] computes its tokens [num_computed_tokens, +num_new_tokens[i])."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -49,9 +49,10 @@ class Scheduler(ABC):
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence) -> None:
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted `seq`, waiting or running; its blocks return to the pool at once."""
+        (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)
         seq.status = Status.FINISHED
-        self.running.remove(seq)
         self.blocks.release(seq)
 
     @abstractmethod
@@ -94,7 +95,7 @@ class ContinuousScheduler(Scheduler):
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            need = seq.num_tokens  # the newest token's K/V is written this tick
+            need = seq.num_tokens  # the newest token's K/V is written this step
             while not self.blocks.can_hold(seq, need):
                 victim = self.running.pop()  # latest admitted goes first
                 batch.preempted.append((victim, victim.num_computed_tokens))

@@ -7,6 +7,7 @@ from enum import Enum, auto
 
 import torch
 
+from weft.inference.detokenizer import IncrementalDetokenizer
 from weft.inference.outputs import RequestMetrics
 from weft.inference.params import SamplingParams
 
@@ -19,17 +20,21 @@ class Status(Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    seq_id: int
+    request_id: str | int
     token_ids: list[int]  # prompt, then every generated token
     num_prompt_tokens: int
     params: SamplingParams
     max_len: int  # prompt + max_tokens, capped by max_model_len
     metrics: RequestMetrics
+    prompt: str | None = None  # the text the prompt came from, if any
     generator: torch.Generator | None = None  # seeded sampling
+    detokenizer: IncrementalDetokenizer | None = None  # streamed outputs of a model with a tokenizer
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_returned_tokens: int = 0  # generated tokens already handed out in DELTA outputs
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | None = None
 
     @property
     def num_tokens(self) -> int:

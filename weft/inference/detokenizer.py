@@ -1,0 +1,36 @@
+"""Text of a growing completion, a piece per step, for outputs that stream (DELTA, CUMULATIVE).
+
+Decoding a token alone can be wrong: a byte-level token may end mid-character, and some
+tokenizers change a token's leading space by what precedes it. So each step decodes a short
+window of the latest tokens, with a few earlier ones as context, and emits what the window
+adds beyond its context; text ending in an incomplete character ("\ufffd") waits for the next
+token. Each step costs two decodes of a few tokens, whatever the completion's length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CONTEXT_TOKENS = 5  # prompt tokens decoded before the first generated one, as context only
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset]: context already emitted (or the prompt's)
+        self.read_offset = len(self.ids)
+        self.text = ""  # everything emitted so far
+
+    def add(self, token_ids: list[int], final: bool) -> str:
+        """Append this step's tokens; -> the text they complete (all that is left when `final`)."""
+        self.ids += token_ids
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return ""
+        delta = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
