@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+import pytest
 import torch
 
 from weft.attention.base import AttentionMetadata
 
 # ||out - ref|| / ||ref|| allowed per dtype (GPU.md): float32 products are exact ("ieee" dots).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+interpreter_only = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="accesses are recorded through Triton's interpreter, which runs only off a GPU"
+)
 
 
 @dataclass
@@ -87,3 +94,51 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert out.isfinite().all(), f"{(~out.isfinite()).sum().item()} output elements unwritten or not finite"
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err <= TOLERANCE[out.dtype], f"relative error {err:.3g} > {TOLERANCE[out.dtype]:g}"
+
+
+def padded_view(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [..., D] copied into a NaN tensor [..., width] and returned as its view [..., :D]: a kernel
+    that touched a lane d >= D of a head would land in that tensor's NaN gap, not in the next head."""
+    wide = torch.full((*x.shape[:-1], width), float("nan"), dtype=x.dtype, device=x.device)
+    wide[..., : x.shape[-1]] = x
+    return wide[..., : x.shape[-1]]
+
+
+@contextlib.contextmanager
+def recorded_accesses() -> Iterator[list[np.ndarray]]:
+    """The addresses of every element loaded or stored (masked-off lanes excluded) by kernels run
+    inside, through Triton's interpreter (so on the CPU only)."""
+    from triton.runtime import interpreter
+
+    accesses: list[np.ndarray] = []
+    builder = interpreter.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def recording_load(self, ptrs, mask, *args):
+        accesses.append(ptrs.data[mask.data].ravel())
+        return load(self, ptrs, mask, *args)
+
+    def recording_store(self, ptrs, value, mask, *args):
+        accesses.append(ptrs.data[mask.data].ravel())
+        return store(self, ptrs, value, mask, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(builder, "create_masked_load", recording_load)
+        patch.setattr(builder, "create_masked_store", recording_store)
+        yield accesses
+
+
+def assert_in_bounds(accesses: list[np.ndarray], tensors: list[torch.Tensor], heads: list[torch.Tensor]) -> None:
+    """Every access lies in one of `tensors` or `heads`; in `heads` (views from `padded_view`, their
+    last dimension D of stride 1 inside rows of stride(-2)) only on lanes below D."""
+    left = np.concatenate(accesses).astype(np.int64)
+    assert left.size, "no accesses recorded"
+    for i, t in enumerate([*heads, *tensors]):
+        start = t.untyped_storage().data_ptr()
+        inside = (left >= start) & (left < start + t.untyped_storage().nbytes())
+        if i < len(heads):
+            lane = (left[inside] - start) // t.element_size() % t.stride(-2)
+            beyond = np.unique(lane[lane >= t.shape[-1]]).tolist()
+            assert not beyond, f"touched lanes {beyond} of a head of D = {t.shape[-1]}"
+        left = left[~inside]
+    assert not left.size, f"{left.size} accesses outside every tensor the kernel was given"

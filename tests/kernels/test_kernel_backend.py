@@ -9,6 +9,7 @@ import torch
 
 from tests.kernels.paged_case import PagedCase, assert_matches, make_case, reference
 from weft.attention import get_backend
+from weft.attention.kernels.tiles import MAX_HEAD_DIM
 from weft.attention.triton import TritonBackend
 from weft.config import ModelConfig
 
@@ -44,25 +45,35 @@ def run_step(case: PagedCase) -> torch.Tensor:
     return backend.forward(LAYER, case.q, k, v, step)
 
 
+DECODE = ([1, 1, 1], [1, 90, 33])
+MIXED = ([1, 1, 30, 4, 1], [50, 9, 30, 4, 40])  # two decodes, then prefills, one of them a single token
+
+
 @pytest.mark.parametrize(
-    ("q_lens", "context_lens"),
-    [([1, 1, 1], [1, 90, 33]), ([1, 1, 30, 4, 1], [50, 9, 30, 4, 40])],
-    ids=["decode", "mixed"],  # mixed: two decodes, then prefills, one of them a single token
+    ("D", "q_lens", "context_lens"),
+    [(64, *DECODE), (64, *MIXED), (48, *MIXED), (80, *MIXED), (96, *MIXED)],
+    ids=["decode", "mixed", "mixed-D48", "mixed-D80", "mixed-D96"],
 )
-def test_forward_fp32(device, q_lens, context_lens):
-    case = make_case(4, 2, 64, 16, q_lens, context_lens, torch.float32, device, 3)
-    assert_matches(run_step(case), reference(case, 64**-0.5))
+def test_forward_fp32(device, D, q_lens, context_lens):
+    case = make_case(4, 2, D, 16, q_lens, context_lens, torch.float32, device, 3)
+    assert_matches(run_step(case), reference(case, D**-0.5))
+
+
+GPU_DECODE = ([1] * 8, [1, 5000, 300, 2048, 77, 4096, 1, 999])
+GPU_MIXED = ([1, 1000, 1, 257], [3000, 1000, 17, 2000])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("q_lens", "context_lens"),
-    [([1] * 8, [1, 5000, 300, 2048, 77, 4096, 1, 999]), ([1, 1000, 1, 257], [3000, 1000, 17, 2000])],
-    ids=["decode", "mixed"],
+    ("D", "dtype", "q_lens", "context_lens"),
+    [(128, torch.bfloat16, *GPU_DECODE), (128, torch.bfloat16, *GPU_MIXED)]
+    + [(d, torch.bfloat16, *GPU_MIXED) for d in (48, 80, 96, 256)]
+    + [(80, torch.float16, *GPU_DECODE), (96, torch.float16, *GPU_MIXED)],
+    ids=["decode", "mixed", "mixed-D48", "mixed-D80", "mixed-D96", "mixed-D256", "decode-D80-fp16", "mixed-D96-fp16"],
 )
-def test_forward_gpu(device, q_lens, context_lens):
-    case = make_case(16, 8, 128, 16, q_lens, context_lens, torch.bfloat16, device, 4)
-    assert_matches(run_step(case), reference(case, 128**-0.5))
+def test_forward_gpu(device, D, dtype, q_lens, context_lens):
+    case = make_case(16, 8, D, 16, q_lens, context_lens, dtype, device, 4)
+    assert_matches(run_step(case), reference(case, D**-0.5))
 
 
 @pytest.fixture
@@ -70,9 +81,20 @@ def bad_case(device) -> PagedCase:
     return make_case(4, 2, 64, 8, [1, 3], [10, 20], torch.float32, device, 5)
 
 
-def test_rejects_head_dim_not_power_of_two(device):
-    with pytest.raises(ValueError, match="power of two"):
-        TritonBackend(model_config(4, 2, 96), 4, 8, torch.float32, device)
+@pytest.mark.parametrize("D", [1, 40, 80, 96, 256])
+def test_accepts_head_dims_up_to_max(device, D):
+    """Any D up to MAX_HEAD_DIM, a power of two or not: the kernels pad it."""
+    backend = TritonBackend(model_config(4, 2, D), 4, 8, torch.float32, device)
+    assert backend.kv_cache.shape[-1] == D
+
+
+@pytest.mark.parametrize("D", [0, MAX_HEAD_DIM + 1, 512])
+def test_rejects_head_dim_outside_range(device, D):
+    limit = rf"head dimension D must be in \[1, {MAX_HEAD_DIM}\], got {D}"
+    with pytest.raises(ValueError, match=limit):
+        TritonBackend.check_model(model_config(4, 2, D))
+    with pytest.raises(ValueError, match=limit):
+        TritonBackend(model_config(4, 2, D), 4, 8, torch.float32, device)
 
 
 @pytest.mark.parametrize(

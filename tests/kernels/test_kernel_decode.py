@@ -6,26 +6,38 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.paged_case import assert_matches, make_case, reference
+from tests.kernels.paged_case import (
+    assert_in_bounds,
+    assert_matches,
+    interpreter_only,
+    make_case,
+    padded_view,
+    recorded_accesses,
+    reference,
+)
 from weft.attention.kernels import DecodeSplits, decode, decode_attention
 from weft.attention.kernels.decode import (
     DEEP_TILES,
     FLOAT32_TILES,
+    MERGE_ELEMENTS,
     WIDE_TILES,
     Tiles,
+    _constexprs,
     best_num_splits,
     compiled_kernel,
     resident_programs,
     tile_options,
     tiles_for,
 )
+from weft.attention.kernels.tiles import padded_head_dim
 
 pytestmark = pytest.mark.kernels
 gpu = pytest.mark.gpu
 
 # (H_q / H_kv, D, P, context_lens, num_splits): tiny enough for the interpreter; lengths 1, ragged,
 # splits that end up empty for short requests, P = 1, P not a power of two, P above the tile, a
-# group that is not a power of two, merges of several passes (MERGE_TILE splits each).
+# group that is not a power of two, merges of several passes (MERGE_TILE splits each), head dims
+# that are not a power of two (padded to 64 or 128 lanes) through the merge and the lone split.
 CPU_CASES = [
     (1, 64, 1, [1, 70, 33], 4),
     (2, 128, 8, [130, 1, 64, 5], 3),
@@ -34,12 +46,18 @@ CPU_CASES = [
     (2, 64, 64, [64, 128], 1),
     (1, 64, 16, [1100, 3], 20),  # 18 tiles of 64 over 20 splits: some empty even for the long request
     (3, 64, 8, [40, 200, 7], 40),  # 5 merge passes of 8 splits, some of them all empty
+    (2, 80, 16, [70, 1, 33], 3),
+    (1, 48, 8, [40, 130], 1),
+    (4, 96, 12, [100, 5], 5),  # 2 merge passes of 4 splits
 ]
 # Realistic sizes on the GPU: every group size at D 64/128 and small/large P, the rest of P at one shape.
 GPU_LENS = [1, 4097, 2500, 17, 1000, 3333, 64, 800]
 GPU_SHAPES = [(g, d, p, torch.bfloat16) for g in (1, 2, 4, 8) for d in (64, 128) for p in (8, 256)]
 GPU_SHAPES += [(2, 128, p, torch.bfloat16) for p in (1, 16, 32, 64, 128)]
 GPU_SHAPES += [(4, 128, 16, torch.float16), (4, 128, 16, torch.float32), (1, 64, 256, torch.float32)]
+# Head dims that are not a power of two, and the widest served (MAX_HEAD_DIM).
+GPU_SHAPES += [(2, d, 16, torch.bfloat16) for d in (40, 48, 80, 96, 160, 192, 256)]
+GPU_SHAPES += [(8, 80, 256, torch.bfloat16), (4, 96, 8, torch.float16), (4, 80, 16, torch.float32)]
 GPU_CASES = [(*shape, tiles) for shape in GPU_SHAPES for tiles in tile_options(shape[-1])]
 
 
@@ -92,25 +110,24 @@ def test_decode_gpu(device, monkeypatch, group, D, P, dtype, tiles):
     assert_decodes(case, None, reference(case, D**-0.5))
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="reads are recorded through Triton's interpreter, which runs only without a GPU"
-)
+@interpreter_only
 @pytest.mark.parametrize(
-    ("P", "context_lens", "extra_columns", "num_splits"),
+    ("D", "P", "context_lens", "extra_columns", "num_splits"),
     [
-        (64, [64, 128], 0, 3),  # rows exactly full, whole blocks per tile: the look-ahead runs past both ends
-        (8, [40, 1, 17], 0, 4),
-        (96, [200, 1, 97], 0, 2),  # P neither a power of two nor under a tile
-        (16, [100, 3], 7, 20),  # a CUDA graph's wide table, junk past each context; more splits than tiles
+        (16, 64, [64, 128], 0, 3),  # rows exactly full, whole blocks per tile: the look-ahead runs past both ends
+        (16, 8, [40, 1, 17], 0, 4),
+        (16, 96, [200, 1, 97], 0, 2),  # P neither a power of two nor under a tile
+        (16, 16, [100, 3], 7, 20),  # a CUDA graph's wide table, junk past each context; more splits than tiles
+        (80, 8, [40, 1, 17], 3, 4),  # a padded head (test_decode_touches_only_lanes_below_D checks its lanes)
     ],
 )
-def test_decode_reads_table_in_bounds(monkeypatch, tile_config, P, context_lens, extra_columns, num_splits):
+def test_decode_reads_table_in_bounds(monkeypatch, tile_config, D, P, context_lens, extra_columns, num_splits):
     """The kernel reads the block table a tile ahead, but never past a row's end. The table here is
     a view into a wider tensor, so such a read would land in memory that exists and change nothing
     in the output: only the addresses the interpreter loads from can show it."""
     from triton.runtime import interpreter
 
-    H_kv, D = 2, 16
+    H_kv = 2
     case = make_case(2 * H_kv, H_kv, D, P, [1] * len(context_lens), context_lens, torch.float32, "cpu", P)
     blocks = [-(-c // P) for c in context_lens]
     width = max(blocks) + extra_columns
@@ -141,6 +158,39 @@ def test_decode_reads_table_in_bounds(monkeypatch, tile_config, P, context_lens,
     beyond = np.unique(columns[columns >= width]).tolist()
     assert not beyond, f"read columns {beyond} of a {width}-wide table"
     assert_matches(out, reference(case, D**-0.5))
+
+
+@interpreter_only
+@pytest.mark.parametrize(("D", "num_splits"), [(80, 1), (80, 3), (40, 4)])
+def test_decode_touches_only_lanes_below_D(D, num_splits):
+    """Padded lanes (D .. D_PAD-1) are masked in every load and store: q, the caches and out are views
+    of tensors D_PAD wide here, so a lane touched past D would show up in their gaps (in a contiguous
+    tensor it would read the next head, or past the end of the last one)."""
+    H_kv, D_PAD = 2, padded_head_dim(D)
+    case = make_case(3 * H_kv, H_kv, D, 8, [1, 1], [50, 9], torch.float32, "cpu", D)
+    q, k_cache, v_cache = (padded_view(x, D_PAD) for x in (case.q, case.k_cache, case.v_cache))
+    out = padded_view(torch.full_like(case.q, float("nan")), D_PAD)
+    splits = DecodeSplits.plan(2, 3 * H_kv, H_kv, D, 8, torch.float32, 50, "cpu", num_splits)
+    with recorded_accesses() as accesses:
+        decode_attention(q, k_cache, v_cache, case.block_tables, case.context_lens, D**-0.5, splits, out)
+    scratch = [splits.o, splits.lse, splits.arrivals]
+    assert_in_bounds(accesses, [case.block_tables, case.context_lens, *scratch], [q, k_cache, v_cache, out])
+    assert_matches(out, reference(case, D**-0.5))
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("D", [8, 48, 80, 96, 128, 256])
+def test_padded_head_shapes(group, D):
+    """Registers and scratch are sized by the padded width: the merge reads a power-of-two tile of at
+    most MERGE_ELEMENTS (or one split), and the splits' scratch holds all D_PAD lanes."""
+    D_PAD = padded_head_dim(D)
+    assert D_PAD >= max(16, D) and D_PAD & (D_PAD - 1) == 0 and (D_PAD == D or D_PAD < 2 * max(16, D))
+    consts = _constexprs(2 * group, 2, D, 16, FLOAT32_TILES)
+    assert (consts["D"], consts["D_PAD"]) == (D, D_PAD)
+    tile = consts["MERGE_TILE"]
+    assert tile & (tile - 1) == 0 and (tile == 1 or tile * consts["GROUP_P2"] * D_PAD <= MERGE_ELEMENTS)
+    splits = DecodeSplits.plan(3, 2 * group, 2, D, 16, torch.float32, 100, "cpu", 2)
+    assert splits.o.shape == (3, 2 * group, 2, D_PAD)
 
 
 @gpu

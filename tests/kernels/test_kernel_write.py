@@ -14,7 +14,11 @@ GPU_DTYPES = [pytest.param(d, marks=pytest.mark.gpu) for d in (torch.float32, to
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
-@pytest.mark.parametrize(("T", "H_kv", "D", "P"), [(1, 2, 64, 16), (13, 2, 64, 8), (37, 8, 128, 1)])
+# Rows of H_kv * D values, a power of two or not (D = 48, 80, 96: 2 * 48 = 96, 8 * 80 = 640, 3 * 96 = 288).
+@pytest.mark.parametrize(
+    ("T", "H_kv", "D", "P"),
+    [(1, 2, 64, 16), (13, 2, 64, 8), (37, 8, 128, 1), (5, 2, 48, 8), (11, 8, 80, 4), (9, 3, 96, 16)],
+)
 def test_write_kv(device, dtype, T, H_kv, D, P):
     g = torch.Generator().manual_seed(T)
     N = T + 3

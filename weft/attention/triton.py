@@ -14,6 +14,7 @@ import torch
 
 from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.attention.kernels import DecodeSplits, decode_attention, prefill_attention, write_kv
+from weft.attention.kernels.tiles import MAX_HEAD_DIM
 from weft.attention.paged import PagedBackend
 from weft.config import ModelConfig
 
@@ -32,12 +33,11 @@ class TritonBackend(AttentionBackend):
     max_decodes = 65535  # the decode kernel's grid holds requests on its third axis
     slab_shape = staticmethod(PagedBackend.slab_shape)
 
-    def __init__(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        if cfg.D < 16 or cfg.D & (cfg.D - 1):
-            raise ValueError(f"triton: head dimension D must be a power of two >= 16, got {cfg.D}")
-        super().__init__(cfg, num_blocks, block_size, dtype, device)
+    @classmethod
+    def check_model(cls, cfg: ModelConfig) -> None:
+        """Any head dimension up to MAX_HEAD_DIM: the kernels pad it to a power of two >= 16."""
+        if not 1 <= cfg.D <= MAX_HEAD_DIM:
+            raise ValueError(f"triton: head dimension D must be in [1, {MAX_HEAD_DIM}], got {cfg.D}")
 
     def plan(self, meta: AttentionMetadata) -> TritonStep:
         splits = None

@@ -14,10 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.attention.kernels.tiles import LOG2E, softmax_step, token_offsets
+from weft.attention.kernels.tiles import LOG2E, lanes, padded_head_dim, softmax_step, token_offsets
 
 BLOCK_M = 128  # new tokens per program
-KV_TILE_BYTES = 128 * 128 * 2  # one K (or V) tile: 128 tokens of D = 128 in bf16, the fastest in the H200 sweep
+# One K (or V) tile: 128 tokens of D = 128 in bf16, the sweep's fastest (results/logs/h200_kernel_sweep.txt).
+KV_TILE_BYTES = 128 * 128 * 2
 NUM_WARPS = 8
 NUM_STAGES = 2
 
@@ -31,7 +32,8 @@ def _prefill_kernel(
     stride_kn, stride_kp, stride_kh, stride_kd,
     stride_table,
     stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     # Longest-running tiles (the last rows of a request) first, so short ones fill the tail.
     m_tile = num_m_tiles - 1 - tl.program_id(0)
@@ -44,13 +46,13 @@ def _prefill_kernel(
         rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
         q_pos = context_len - q_len + rows  # [BLOCK_M] position of each query row
-        d = tl.arange(0, D)
+        d = tl.arange(0, D_PAD)
         q_rows = (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd
-        q = tl.load(q_ptr + q_rows, mask=row_ok[:, None], other=0.0)
+        q = tl.load(q_ptr + q_rows, mask=lanes(row_ok, D, D_PAD), other=0.0)
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         table = table_ptr + b * stride_table
         head_k = k_ptr + (h // GROUP) * stride_kh
         head_v = v_ptr + (h // GROUP) * stride_kh
@@ -59,22 +61,38 @@ def _prefill_kernel(
         kv_end = tl.minimum(first + BLOCK_M, context_len)  # keys from this on: seen by no row
         for start in range(0, full_end, BLOCK_N):
             offs = token_offsets(table, start, full_end, stride_kn, stride_kp, P, BLOCK_N)
-            k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd)
-            v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd)
+            if D_PAD == D:
+                k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd)
+                v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd)
+            else:
+                d_ok = (d < D)[None, :]
+                k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=d_ok, other=0.0)
+                v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=d_ok, other=0.0)
             m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, True)
         for start in range(full_end, kv_end, BLOCK_N):
             offs = token_offsets(table, start, kv_end, stride_kn, stride_kp, P, BLOCK_N)
             pos = start + tl.arange(0, BLOCK_N)
             ok = pos < kv_end
-            k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=ok[:, None], other=0.0)
-            v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=ok[:, None], other=0.0)
+            kv_ok = lanes(ok, D, D_PAD)
+            k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+            v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
             visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
             m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, visible)
 
         # Every row sees position 0, so row_sum > 0 on the rows stored.
         o = acc / row_sum[:, None]
         out_rows = (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :] * stride_od
-        tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=lanes(row_ok, D, D_PAD))
+
+
+def kv_tile_tokens(D_PAD: int, element_size: int) -> int:
+    """Cached tokens per K/V tile for heads held in D_PAD lanes of `element_size` bytes.
+
+    128 where such a tile fits KV_TILE_BYTES; wider rows get fewer, or the pipelined K/V tiles
+    outgrow shared memory (128 tokens of float32 at D = 128 would need 256 KiB). The padded width
+    counts: the padding lanes take registers and shared memory too.
+    """
+    return max(16, min(128, KV_TILE_BYTES // (D_PAD * element_size)))
 
 
 def prefill_attention(
@@ -100,14 +118,13 @@ def prefill_attention(
     _, P, H_kv, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride()
     num_m_tiles = triton.cdiv(max_query_len, BLOCK_M)
-    # Cached tokens per tile (results/logs/h200_kernel_sweep.txt: 128 beat 32 and 64 in bf16); wider
-    # rows get fewer, or the pipelined K/V tiles outgrow shared memory (float32 at D = 128 would need 256 KiB).
-    block_n = max(16, min(128, KV_TILE_BYTES // (D * q.element_size())))
+    D_PAD = padded_head_dim(D)
+    block_n = kv_tile_tokens(D_PAD, q.element_size())
     _prefill_kernel[(num_m_tiles, context_lens.shape[0] - first_request, H_q)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
         scale * LOG2E, first_request, num_m_tiles,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
-        GROUP=H_q // H_kv, D=D, P=P, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        GROUP=H_q // H_kv, D=D, D_PAD=D_PAD, P=P, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
