@@ -19,17 +19,7 @@ import pandas as pd
 
 from weft.benchmark import charts
 from weft.benchmark.claims import claims
-from weft.benchmark.results import (
-    EXPERIMENTS,
-    ReportError,
-    Selection,
-    commits_by_experiment,
-    load_run,
-    load_stored,
-    resolve,
-    restrict,
-    select,
-)
+from weft.benchmark.results import EXPERIMENTS, ReportError, Selection, commits_by_experiment, gather, restrict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +40,9 @@ def _gb(v: float) -> str:
     return f"{v / 1e9:.1f}"
 
 
-# column -> (header, format); a table shows the columns of its experiment that the records have
+# column -> (header, format): the header names the unit its format shows (records hold seconds and
+# bytes; ITL and kernel times read best in ms, memory in GB). Every table labels a metric with its
+# header, never with the record's field name, whose suffix names the stored unit instead.
 COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "ttft_p50_s": ("TTFT p50 (s)", _s), "ttft_p90_s": ("TTFT p90 (s)", _s), "ttft_p99_s": ("TTFT p99 (s)", _s),
     "itl_p50_s": ("ITL p50 (ms)", _ms), "itl_p99_s": ("ITL p99 (ms)", _ms),
@@ -118,13 +110,16 @@ def experiment_table(experiment: str, df: pd.DataFrame) -> str:
 
 
 def ratio_table(subject: pd.DataFrame, baseline: pd.DataFrame) -> str:
+    """One row per benchmark in both and metric in `COMPARED`: the metric by its header (with the
+    unit both cells are shown in), baseline, this, and this ÷ baseline."""
     joined = subject.merge(baseline, on="name", suffixes=("", "_base"))
     rows = []
     for r in joined.sort_values(["experiment", "name"]).to_dict("records"):
         for m in COMPARED:
             new, old = r.get(m), r.get(f"{m}_base")
             if pd.notna(new) and pd.notna(old) and old:
-                rows.append([r["experiment"], r["name"], m, _cell(m, old), _cell(m, new), f"{new / old:.3g}"])
+                header = COLUMNS[m][0]
+                rows.append([r["experiment"], r["name"], header, _cell(m, old), _cell(m, new), f"{new / old:.3g}"])
     if not rows:
         return "No benchmark appears in both commits."
     return markdown_table(["experiment", "benchmark", "metric", "baseline", "this", "this ÷ baseline"], rows)
@@ -133,6 +128,12 @@ def ratio_table(subject: pd.DataFrame, baseline: pd.DataFrame) -> str:
 def _commit_of(subject: pd.DataFrame, experiments: tuple[str, ...]) -> str:
     shas = subject.loc[subject["experiment"].isin(experiments), "git_sha"].drop_duplicates()
     return ", ".join(f"`{sha[:12]}`" for sha in shas) or "–"
+
+
+def claims_table(subject: pd.DataFrame) -> str:
+    """The seed's claims beside the records' own figures, each with the commits it comes from."""
+    return markdown_table(["claim", "seed (its authors' hardware)", "measured here", "commit"],
+                          [[c.what, c.seed, c.measured, _commit_of(subject, c.experiments)] for c in claims(subject)])
 
 
 def summary(selection: Selection, subject: pd.DataFrame, baseline: pd.DataFrame, drawn: list[str]) -> str:
@@ -149,9 +150,7 @@ def summary(selection: Selection, subject: pd.DataFrame, baseline: pd.DataFrame,
         out += ["", "> CPU run: toy sizes on a tiny random model, to keep the suite alive. Never publish these."]
     out += [f"- {note}" for note in selection.notes]
     out += ["", "## The seed's claims, from these runs", ""]
-    out.append(markdown_table(["claim", "seed (its authors' hardware)", "measured here", "commit"],
-                              [[c.what, c.seed, c.measured, _commit_of(subject, c.experiments)]
-                               for c in claims(subject)]))
+    out.append(claims_table(subject))
     for experiment, title in EXPERIMENTS.items():
         df = subject[subject["experiment"] == experiment]
         if df.empty:
@@ -189,12 +188,7 @@ def report(
     filters: dict[str, list[str] | None],
 ) -> tuple[Path, list[Path]]:
     """Loads, checks, filters, draws and writes; -> (README path, chart paths)."""
-    if names:
-        runs, unreadable = [load_run(p) for p in resolve(names, results)], []
-    else:
-        runs, unreadable = load_stored(results)
-    selection = select(runs, bool(names), [load_run(p) for p in resolve(baseline, results)])
-    selection.notes += [f"skipped {e}" for e in unreadable]
+    selection = gather(names, baseline, results)
     subject, baseline = selection.records(), selection.records(baseline=True)
     for column, wanted in filters.items():
         subject = restrict(subject, column, wanted)  # the ratio table joins the baseline on these names
@@ -204,13 +198,11 @@ def report(
     out.mkdir(parents=True, exist_ok=True)
     charts_written = []
     for experiment in charts.CHARTS:
-        df = subject[subject["experiment"] == experiment]
-        if df.empty:
-            continue
-        path = out / f"{experiment}.png"
-        title = f"{experiment}: {EXPERIMENTS[experiment]} — {selection.gpu} @ {df['git_sha'].iloc[0][:12]}"
-        charts.draw(experiment, df, title, path)
-        charts_written.append(path)
+        fig = charts.figure(experiment, subject, selection.gpu)
+        if fig is not None:
+            path = out / f"{experiment}.png"
+            path.write_bytes(charts.png(fig))
+            charts_written.append(path)
     readme = out / "README.md"
     readme.write_text(summary(selection, subject, baseline, [p.stem for p in charts_written]))
     return readme, charts_written

@@ -1,6 +1,7 @@
 """The report on hand-made runs: charts, claims, comparisons, and clear refusals."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,7 @@ def test_two_commits_compare_newer_over_older(tmp_path):
     assert run_report(tmp_path, "0001", "0002") == 0
     readme = (tmp_path / "out" / "README.md").read_text()
     assert "commit `new222`" in readme and "baseline commit `old111`" in readme
-    assert "| e8 | test_e8[continuous×triton--] | output_tok_s | 400 | 800 | 2 |" in readme
+    assert "| e8 | test_e8[continuous×triton--] | output tok/s | 400 | 800 | 2 |" in readme
 
 
 def test_split_sessions_of_one_commit_merge_and_supersede_an_older_commit(tmp_path):
@@ -112,6 +113,64 @@ def test_each_experiment_comes_from_the_newest_commit_that_measured_it(tmp_path)
     e4_section = readme.split("## e4: ")[1].split("## ")[0]
     assert "Commit `old111`." in e3_section and "Commit `new222`." in e4_section
     assert "| 12 |" not in e4_section and "| 6 |" in e4_section  # old111's e4 makespan stays out
+
+
+def tables(markdown: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Every markdown table of a report: (the heading of its section, header, rows)."""
+    found, section, block = [], "", []
+    for line in [*markdown.splitlines(), ""]:
+        if line.startswith("## "):
+            section = line.removeprefix("## ")
+        if line.startswith("|"):
+            block.append([cell.strip() for cell in line.strip("|").split("|")])
+        elif block:
+            found.append((section, block[0], block[2:]))
+            block = []
+    return found
+
+
+def stated_unit(label: str) -> tuple[str, float] | None:
+    """The record field a column label stands for, and the factor from the seconds stored there
+    to the unit the label states: "ITL p50 (ms)" -> ("itl_p50_s", 1e3); a bare field name such
+    as "itl_p50_s" states seconds by its suffix."""
+    if m := re.fullmatch(r"(.+) \((m?s)\)", label):
+        return m[1].lower().replace(" ", "_") + "_s", {"s": 1.0, "ms": 1e3}[m[2]]
+    return (label, 1.0) if re.fullmatch(r"\w+_s", label) else None
+
+
+def test_every_label_names_the_unit_its_cells_are_in(tmp_path):
+    """Records hold seconds; a column or metric labelled in ms shows ms (itl_p50_s=0.0123 as 12.3),
+    one labelled in s (or by the field's own name) shows s, in every table, the ratio table too."""
+    timed = dict(ttft_p50_s=0.456, ttft_p90_s=0.567, ttft_p99_s=0.678, itl_p50_s=0.0123, itl_p99_s=0.0234,
+                 e2e_p50_s=1.23, makespan_s=7.89)
+    rows = [serving("e4", "continuous×triton", **timed), serving("e8", "continuous×triton", **timed),
+            dict(experiment="e3_prefill", attention="triton", B=4, T=4096, P=16, time_s=0.00077,
+                 ratio_vs_sdpa=1.45, tflops=357.0, sdpa_tflops=518.0)]
+    write_run(tmp_path / "results", 1, "NVIDIA H200", "old111", rows, "2026-11-29T10:00:00")
+    write_run(tmp_path / "results", 2, "NVIDIA H200", "new222", rows, "2026-11-29T11:00:00")
+    assert run_report(tmp_path, "0001", "0002") == 0
+    record = {r["experiment"]: r for r in rows}
+    checked = set()
+    for section, header, body in tables((tmp_path / "out" / "README.md").read_text()):
+        for row in body:
+            cells = dict(zip(header, row, strict=True))
+            if "metric" in cells:  # the ratio table: the metric's label is a cell, its values two others
+                where, labelled = "ratio", [(cells["metric"], cells["baseline"]), (cells["metric"], cells["this"])]
+                experiment = cells["experiment"]
+            else:
+                where, labelled = "table", list(cells.items())
+                experiment = section.split(":")[0]
+            for label, cell in labelled:
+                field = stated_unit(label)
+                if experiment not in record or field is None or field[0] not in record[experiment]:
+                    continue
+                shown = float(cell.replace(",", ""))
+                assert shown == pytest.approx(record[experiment][field[0]] * field[1], rel=5e-3), (section, label, cell)
+                checked.add((where, experiment, field[0]))
+    assert {("ratio", "e8", m) for m in ("ttft_p50_s", "itl_p50_s", "makespan_s")} <= checked
+    assert ("ratio", "e3_prefill", "time_s") in checked
+    assert {("table", "e4", m) for m in timed if m != "itl_p99_s"} <= checked
+    assert {("table", "e8", "itl_p50_s"), ("table", "e3_prefill", "time_s")} <= checked
 
 
 @pytest.mark.parametrize(
@@ -151,7 +210,7 @@ def test_an_explicit_baseline_compares_runs_of_one_commit(tmp_path):
     write_run(results, 2, "NVIDIA H200", "abc-dirty", records(speed=2.0), "2026-11-29T11:00:00")
     assert run_report(tmp_path, "0002", "--baseline", "0001") == 0
     readme = (tmp_path / "out" / "README.md").read_text()
-    assert "| e8 | test_e8[continuous×triton--] | output_tok_s | 400 | 800 | 2 |" in readme
+    assert "| e8 | test_e8[continuous×triton--] | output tok/s | 400 | 800 | 2 |" in readme
 
 
 def test_a_run_of_one_experiment_reports_the_other_claims_as_missing(tmp_path):
@@ -170,6 +229,7 @@ def test_a_newer_cpu_run_does_not_displace_the_gpu_run(tmp_path):
     assert run_report(tmp_path) == 0
     summary = (tmp_path / "out" / "README.md").read_text()
     assert "NVIDIA H200" in summary and "abc123" in summary and "def456" not in summary.split("left out")[0]
+    assert "- left out the stored runs of other machines: cpu\n" in summary  # named, so no count of local runs
 
 
 def test_profiled_kernels_are_named_short_and_summed_by_name():

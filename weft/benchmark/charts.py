@@ -1,9 +1,13 @@
-"""One chart per experiment: seaborn on matplotlib's Agg canvas (no display, no pyplot state)."""
+"""One chart per experiment: seaborn on matplotlib's Agg canvas (no display, no pyplot state).
+
+`figure` draws one experiment from a report's records and `png` renders it; `python -m
+weft.report` writes those bytes to results/ and analysis.ipynb displays the same bytes inline.
+"""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
-from pathlib import Path
 
 import pandas as pd
 import seaborn as sns
@@ -11,7 +15,10 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from weft.benchmark.results import EXPERIMENTS
+
 MS = 1e3
+DPI = 110
 
 
 def _figure(panels: int) -> tuple[Figure, list[Axes]]:
@@ -151,7 +158,18 @@ CHARTS: dict[str, Callable[[pd.DataFrame], Figure]] = {
 }
 
 
-def draw(experiment: str, df: pd.DataFrame, title: str, path: Path) -> None:
+def figure(experiment: str, records: pd.DataFrame, gpu: str) -> Figure | None:
+    """`experiment`'s chart from a report's records (its rows are picked out of all of them),
+    titled with the machine and the commit they come from; None when it has no chart or no rows."""
+    df = records[records["experiment"] == experiment]
+    if experiment not in CHARTS or df.empty:
+        return None
     fig = CHARTS[experiment](df)
-    fig.suptitle(title)
-    fig.savefig(path, dpi=110)
+    fig.suptitle(f"{experiment}: {EXPERIMENTS[experiment]} — {gpu} @ {df['git_sha'].iloc[0][:12]}")
+    return fig
+
+
+def png(fig: Figure) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()

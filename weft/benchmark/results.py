@@ -150,8 +150,8 @@ def select(runs: list[Run], explicit: bool, baseline: list[Run] | None = None) -
     notes = []
     if not explicit:
         others = [r for r in runs if r.gpu != newest.gpu]
-        if others:
-            notes.append(f"left out {len(others)} stored run(s) of other machines")
+        if others:  # named, not counted: local CPU runs (git-ignored) come and go with every test run
+            notes.append(f"left out the stored runs of other machines: {', '.join(sorted({r.gpu for r in others}))}")
         runs = [r for r in runs if r not in others]
         return Selection(runs, [], notes)
     everything = runs + baseline
@@ -171,6 +171,19 @@ def select(runs: list[Run], explicit: bool, baseline: list[Run] | None = None) -
             notes.append(f"merged runs {', '.join(r.label for r in group)} (commit {group[0].git_sha}):"
                          " a benchmark present in several keeps its latest record")
     return Selection(runs, baseline, notes)
+
+
+def gather(names: list[str], baseline: list[str], folder: Path) -> Selection:
+    """The runs a report on `names` shows (every run stored under `folder` when there are none),
+    checked by `select`, with `baseline` named explicitly or not at all; stored JSON files that
+    are not runs are noted as skipped."""
+    if names:
+        runs, unreadable = [load_run(p) for p in resolve(names, folder)], []
+    else:
+        runs, unreadable = load_stored(folder)
+    selection = select(runs, bool(names), [load_run(p) for p in resolve(baseline, folder)])
+    selection.notes += [f"skipped {e}" for e in unreadable]
+    return selection
 
 
 def restrict(frame: pd.DataFrame, column: str, wanted: list[str] | None) -> pd.DataFrame:
