@@ -14,9 +14,9 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM, "qwen3":
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """`cfg`'s model in `dtype` on `device`, in eval mode, its weights placeholders to load into.
 
-    Parameters are created where and as they will live: initializing a 4B model in float32 on the
-    host and then moving it took about 40 s of every H200 benchmark case. Not thread-safe: the
-    default dtype is the process's while the model is built.
+    Parameters are created where and as they will live (device and dtype): a large model built in
+    float32 on the host and then moved costs tens of seconds. Not thread-safe: the default dtype is
+    the process's while the model is built.
     """
     model_cls = MODELS[cfg.arch]
     default = torch.get_default_dtype()
