@@ -1,13 +1,18 @@
-"""`weft`: the command line. `weft check` is the token-exact gate against HuggingFace `generate`.
+"""`weft`: the command line.
 
     weft check [--model M] [--max-tokens N] [--device cpu|cuda] [--dtype float32]
+    weft serve MODEL [--attention A --scheduler S --block-size P ... --host H --port N]
+    weft bench serve --base-url URL --model NAME [--num-prompts N --request-rate R ...]
 
-Prints one line per prompt per case and exits 1 on any mismatch (2 on bad arguments).
+`check` is the token-exact gate against HuggingFace `generate`: one line per prompt per case,
+exit status 1 on any mismatch. `serve` is the OpenAI-compatible server (weft.serve.api_server);
+`bench serve` its load generator (weft.benchmark.serving). Bad arguments exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -73,12 +78,65 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One --option per EngineConfig field (but the model), typed as the field is; None: its default."""
+    from weft.inference.config import EngineConfig
+
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if "bool" in f.type:
+            parser.add_argument(flag, action="store_true", default=None, help=f"(default: {f.default})")
+            continue
+        kind = float if "float" in f.type else int if "int" in f.type else str
+        parser.add_argument(flag, type=kind, help=f"(default: {f.default})")
+
+
+def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Build the engine, then serve it with uvicorn until interrupted."""
+    import uvicorn
+
+    from weft.inference.config import EngineConfig
+    from weft.inference.engine import LLMEngine
+    from weft.serve.api_server import build_app
+
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    try:
+        config = EngineConfig(model=args.model, **{k: v for k, v in options.items() if v is not None})
+        engine = LLMEngine(config)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+    app = build_app(engine, args.served_model_name or str(args.model), args.max_queued_requests)
+    print(f"weft: serving {args.model} at http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weft", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gate = commands.add_parser("check", help="the token-exact check against HF generate")
     add_check_arguments(gate)
     gate.set_defaults(run=check, parser=gate)
+
+    server = commands.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions)")
+    server.add_argument("model", help="model name or local HF checkpoint directory")
+    add_engine_arguments(server)
+    server.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    server.add_argument("--served-model-name", help="the name clients use (default: MODEL as given)")
+    server.add_argument("--max-queued-requests", type=positive_int,
+                        help="waiting requests beyond which new ones get 429 (default: no bound)")
+    server.set_defaults(run=serve, parser=server)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from weft.benchmark.serving import add_arguments  # light: no torch
+    from weft.benchmark.serving import main as bench_serve
+
+    client = bench.add_parser("serve", help="load an OpenAI-compatible server and report its latencies")
+    add_arguments(client)
+    client.set_defaults(run=lambda parser, args: bench_serve(args), parser=client)
     return parser
 
 

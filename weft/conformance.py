@@ -15,6 +15,7 @@ import torch
 
 from weft.attention import available_backends
 from weft.benchmark.replay import Arrival, replay_ticks
+from weft.inference.chat import chat_prompt
 from weft.inference.llm import LLM
 from weft.inference.params import SamplingParams
 from weft.inference.scheduler import SCHEDULERS
@@ -33,14 +34,8 @@ PROMPTS = [
 
 def conformance_prompts(source: ModelSource, count: int = len(PROMPTS)) -> list[list[int]]:
     """Ragged prompts as token ids: chat-templated PROMPTS, or random ids for a model without a tokenizer."""
-    tok = source.tokenizer
-    if tok is not None:
-        return [
-            tok.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            for p in PROMPTS[:count]
-        ]
+    if source.tokenizer is not None:
+        return [chat_prompt(source.tokenizer, [{"role": "user", "content": p}], source.name) for p in PROMPTS[:count]]
     gen = torch.Generator().manual_seed(1)
     lengths = (1, 7, 30, 15, 3, 22)[:count]
     return [torch.randint(0, source.config.V, (n,), generator=gen).tolist() for n in lengths]

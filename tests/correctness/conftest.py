@@ -1,14 +1,10 @@
-"""Models and HF references shared by the correctness tests, loaded once per session."""
+"""The models every correctness test that takes `model` runs for."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
-import torch
 
-from weft.conformance import conformance_prompts, hf_reference
-from weft.models.loader import DEFAULT_MODEL, ModelSource, packaged_model_available, reference_model, resolve_model
+from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
 MODELS = [
     "tiny-llama",
@@ -20,37 +16,7 @@ MODELS = [
 ]
 
 
-@dataclass
-class Reference:
-    source: ModelSource
-    hf_model: object  # the transformers model with the same weights (float32, on the test device)
-    prompts: list[list[int]]
-    expected: list[list[int]]
-    max_tokens: int
-    ignore_eos: bool
-
-
-_references: dict[str, Reference] = {}
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Every test that takes `model` runs for each model above."""
     if "model" in metafunc.fixturenames:
         metafunc.parametrize("model", MODELS)
-
-
-@pytest.fixture(scope="session")
-def reference(device: torch.device):
-    """reference(model_name) -> the model, its prompts and HF's greedy continuations."""
-
-    def get(name: str) -> Reference:
-        if name not in _references:
-            source = resolve_model(name)
-            hf_model = reference_model(source, torch.float32, device)
-            prompts = conformance_prompts(source, count=4 if source.tokenizer else 5)
-            ignore_eos = source.tokenizer is None  # random weights: run to max_tokens
-            expected = hf_reference(hf_model, prompts, 24, ignore_eos)
-            _references[name] = Reference(source, hf_model, prompts, expected, 24, ignore_eos)
-        return _references[name]
-
-    return get

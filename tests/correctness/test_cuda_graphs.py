@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from weft import LLM, SamplingParams
-from weft.benchmark.replay import Arrival, replay_ticks
 from weft.attention.paged import PagedBackend
+from weft.benchmark.replay import Arrival, replay_ticks
 from weft.inference.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
 pytestmark = pytest.mark.correctness
@@ -44,7 +44,8 @@ def test_graphs_match_eager(reference, scheduler):
                  max_num_seqs=8, dtype="float32", device="cuda", enforce_eager=eager) as llm:
             graphs = llm.llm_engine.runner.graphs
             assert (graphs is None) == eager
-            arrived = [Arrival(i, p, sp, tick) for i, (p, sp, tick) in enumerate(zip(prompts, params, arrivals, strict=True))]
+            zipped = zip(prompts, params, arrivals, strict=True)
+            arrived = [Arrival(i, p, sp, tick) for i, (p, sp, tick) in enumerate(zipped)]
             outputs[eager] = [o.outputs[0].token_ids for o in replay_ticks(llm.llm_engine, arrived)]
             if not eager:
                 assert graphs.sizes == [1, 2, 4, 8]

@@ -3,6 +3,7 @@ token HF's; aborts free blocks at once; ids stay unique; the pool is sized once 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -46,13 +47,14 @@ def test_interleaved_add_step_abort_match_hf_and_free_blocks(tiny):
     blocks = engine.scheduler.blocks
     total = blocks.num_free
     n = ref.max_tokens
-    engine.add_request("a", ref.prompts[0], greedy(n, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY))
+    final = RequestOutputKind.FINAL_ONLY
+    engine.add_request("a", ref.prompts[0], greedy(n, ignore_eos=True, output_kind=final))
     engine.add_request(7, ref.prompts[1], greedy(n, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
     engine.add_request("doomed", ref.prompts[4], greedy(n, ignore_eos=True))
     finals, deltas = {}, []
     for step in range(60):
         if step == 2:
-            engine.add_request("late", ref.prompts[2], greedy(n, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY))
+            engine.add_request("late", ref.prompts[2], greedy(n, ignore_eos=True, output_kind=final))
         if step == 3:
             held = blocks.num_free
             doomed_blocks = len(engine.requests["doomed"].block_table)
@@ -167,7 +169,13 @@ def test_weft_loads_weights_without_transformers_models_and_imports_lightly(tmp_
         "assert len(out[0].outputs[0].token_ids) == 3\n"
         "print(weft.__file__, 'transformers.modeling_utils' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # where this interpreter finds weft through PYTHONPATH (a checkout run as `PYTHONPATH=.`), so does the
+    # script; elsewhere (uv sync, pip install) it finds the installed package
+    path = os.pathsep.join(os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     location, modeling = done.stdout.split()
     assert location.endswith("weft/__init__.py") and modeling == "False"

@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from weft.inference.chat import chat_prompt, is_conversation
 from weft.inference.config import EngineConfig
 from weft.inference.engine import LLMEngine
 from weft.inference.inputs import prompt_list
@@ -71,6 +72,21 @@ class LLM:
         finally:  # an exception mid-run leaves none of this call's requests behind in the engine
             engine.abort_request([s.request_id for s in seqs if s.request_id not in done])
         return [done[s.request_id] for s in seqs]
+
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation ([{"role", "content"}, ...]) or a list of them, through the model's
+        chat template (the server's /v1/chat/completions takes the same path)."""
+        engine = self.llm_engine
+        conversations = [messages] if is_conversation(messages) else messages
+        if isinstance(conversations, str) or not isinstance(conversations, Sequence):
+            raise TypeError(f"messages must be a conversation or a list of them, got {messages!r:.60}")
+        prompts = [chat_prompt(engine.tokenizer, c, engine.model_name) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def close(self) -> None:
         """Free the model, KV pool and CUDA graphs now."""

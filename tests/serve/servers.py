@@ -1,0 +1,77 @@
+"""Servers for the live tests: `weft serve` as a user starts it (a subprocess on 127.0.0.1), and an
+in-process one over an engine the test holds (to break it, or bound its queue)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from weft.inference.engine import LLMEngine
+from weft.serve.api_server import build_app
+
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def weft_server(*args: str) -> Iterator[str]:
+    """`python -m weft serve ARGS` on a free port -> its base URL (…/v1), once /health says 200."""
+    port = free_port()
+    path = os.pathsep.join(os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weft", "serve", *args, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"no healthy server at {url} after {START_TIMEOUT_S} s")
+
+
+@contextmanager
+def in_process_server(engine: LLMEngine, name: str, **options: object) -> Iterator[str]:
+    """build_app(engine) under uvicorn in a thread of this process -> its base URL (…/v1)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, name, **options), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(30)

