@@ -28,18 +28,28 @@ def test_fixed_workload_sizes():
     assert (w.input_tokens, w.output_tokens, w.max_len) == (21, 15, 12)
 
 
-def test_poisson_ticks_start_at_zero_never_go_back_and_keep_the_rate():
-    ticks = workloads.poisson_ticks(4000, rate=0.5, rng=random.Random(0))
-    assert ticks[0] == 0 and ticks == sorted(ticks)
-    assert statistics.mean(b - a for a, b in zip(ticks, ticks[1:], strict=False)) == pytest.approx(2.0, rel=0.1)
+def test_poisson_times_start_at_zero_never_go_back_and_keep_the_rate():
+    times = workloads.poisson_times(4000, rate=0.5, rng=random.Random(0))
+    assert times[0] == 0 and times == sorted(times)
+    assert statistics.mean(b - a for a, b in zip(times, times[1:], strict=False)) == pytest.approx(2.0, rel=0.1)
     with pytest.raises(ValueError, match="rate"):
-        workloads.poisson_ticks(3, rate=0, rng=random.Random(0))
+        workloads.poisson_times(3, rate=0, rng=random.Random(0))
 
 
-def test_arrival_stream_draws_lengths_from_the_mix():
-    w = workloads.arrival_stream(50, prompt_lengths=(4, 16), max_tokens=3, rate=1.0, vocab_size=20)
-    assert {len(p) for p in w.prompts} == {4, 16} and not w.offline
-    assert w.arrivals == sorted(w.arrivals)
+def arrivals(w: workloads.Workload) -> list[float]:
+    return [r.arrival_tick if w.clock == "ticks" else r.arrival_s for r in w.requests]
+
+
+def test_arrival_stream_draws_lengths_from_the_mix_on_either_clock():
+    ticks = workloads.arrival_stream(50, prompt_lengths=(4, 16), max_tokens=3, rate=1.0, vocab_size=20)
+    seconds = workloads.arrival_stream(50, (4, 16), 3, 1.0, 20, clock="seconds")
+    assert {len(p) for p in ticks.prompts} == {4, 16} and not ticks.offline and not seconds.offline
+    assert arrivals(ticks) == sorted(arrivals(ticks)) and all(isinstance(t, int) for t in arrivals(ticks))
+    # the same seed: the same prompts, and the same instants in another unit (ticks are their floors)
+    assert seconds.prompts == ticks.prompts
+    assert [int(t) for t in arrivals(seconds)] == arrivals(ticks) and len(set(arrivals(seconds))) == 50
+    with pytest.raises(ValueError, match="unknown clock 'minutes'"):
+        workloads.arrival_stream(3, (4,), 3, 1.0, 20, clock="minutes")
 
 
 def test_blocks_count_every_token_but_the_last():
@@ -52,5 +62,5 @@ def test_blocks_count_every_token_but_the_last():
 def test_warmup_keeps_prompts_and_arrivals_and_shortens_outputs():
     w = workloads.arrival_stream(5, (3,), max_tokens=9, rate=1.0, vocab_size=10)
     short = w.with_max_tokens(2)
-    assert (short.prompts, short.arrivals) == (w.prompts, w.arrivals)
+    assert (short.prompts, arrivals(short), short.clock) == (w.prompts, arrivals(w), w.clock)
     assert {r.max_tokens for r in short.requests} == {2}

@@ -55,7 +55,8 @@ class Sizes:
     e4_requests: int
     e4_prompt_lens: tuple[int, ...]  # the mix each prompt's length is drawn from
     e4_new_tokens: int
-    e4_rate: float  # Poisson arrivals, requests per engine tick
+    e4_rate: float  # Poisson arrivals, requests per engine tick (the seed's e4)
+    e4_rate_per_s: float  # the same stream in wall-clock seconds
     e5_fractions: tuple[float, ...]
     e5_requests: int
     e5_prompt_range: tuple[int, int]
@@ -69,6 +70,11 @@ class Sizes:
     e7_new_tokens: int
     e8_requests: int  # the standard workload: 256 requests, lengths U[100, 1024]
     e8_lengths: tuple[int, int]
+    e9_attentions: tuple[str, ...]  # continuous-scheduler servers whose latency-throughput curve is drawn
+    e9_requests: int
+    e9_lengths: tuple[int, int]  # prompt and output lengths, each uniform in this range
+    e9_rates: tuple[float, ...]  # requests per second (inf: all at once)
+    e9_goodput_ms: dict[str, float]  # SLOs of the goodput: ttft, tpot
     hf_batch_size: int | None  # hf_generate's padded batch on e8 (None: all requests in one)
     hf_cb_config: dict | None  # ContinuousBatchingConfig fields for hf_generate_batch (None: its defaults)
 
@@ -88,6 +94,7 @@ CUDA_SIZES = Sizes(
     e4_prompt_lens=(128, 256, 512, 1024, 2048),
     e4_new_tokens=128,
     e4_rate=1.0,
+    e4_rate_per_s=4.0,
     e5_fractions=(1.0, 0.8, 0.6, 0.4, 0.2),
     e5_requests=64,
     e5_prompt_range=(128, 512),
@@ -101,6 +108,11 @@ CUDA_SIZES = Sizes(
     e7_new_tokens=32,
     e8_requests=256,
     e8_lengths=(100, 1024),
+    e9_attentions=("triton",),
+    e9_requests=256,  # the standard workload, as e8's
+    e9_lengths=(100, 1024),
+    e9_rates=(4.0, 8.0, 16.0, 32.0, 64.0, float("inf")),
+    e9_goodput_ms={"ttft": 500.0, "tpot": 50.0},
     # One padded batch of 256 costs about as many steps as one of 64 (the longest output sets both).
     hf_batch_size=None,
     hf_cb_config=None,
@@ -120,6 +132,7 @@ CPU_SIZES = Sizes(
     e4_prompt_lens=(8, 16, 32, 64),
     e4_new_tokens=8,
     e4_rate=1.0,
+    e4_rate_per_s=20.0,
     e5_fractions=CUDA_SIZES.e5_fractions,
     e5_requests=8,
     e5_prompt_range=(16, 48),
@@ -133,6 +146,11 @@ CPU_SIZES = Sizes(
     e7_new_tokens=4,
     e8_requests=8,
     e8_lengths=(4, 32),
+    e9_attentions=("paged",),
+    e9_requests=8,
+    e9_lengths=(4, 16),
+    e9_rates=(20.0, float("inf")),
+    e9_goodput_ms={"ttft": 5000.0, "tpot": 1000.0},
     hf_batch_size=None,
     hf_cb_config=dict(num_blocks=16, max_batch_tokens=256),  # its defaults take the RAM
 )
@@ -248,6 +266,16 @@ def e5_fraction(request: pytest.FixtureRequest) -> float:
 
 @pytest.fixture(params=SIZES.e6_block_sizes, ids=lambda p: f"P{p}")
 def e6_block_size(request: pytest.FixtureRequest) -> int:
+    return request.param
+
+
+@pytest.fixture(scope="module", params=SIZES.e9_attentions)
+def e9_attention(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(params=SIZES.e9_rates, ids=lambda r: f"rate{r:g}")
+def e9_rate(request: pytest.FixtureRequest) -> float:
     return request.param
 
 

@@ -19,7 +19,7 @@ from transformers.generation import ContinuousBatchingConfig
 from weft.benchmark.environment import device_name, git_sha
 from weft.benchmark.hf_baselines import HFContinuousBatching, HFGenerate
 from weft.benchmark.metrics import Served, measure
-from weft.benchmark.replay import Arrival, replay_ticks
+from weft.benchmark.replay import Arrival, replay_seconds, replay_ticks
 from weft.benchmark.workloads import Workload
 from weft.inference.config import EngineConfig, check_names
 from weft.inference.engine import LLMEngine
@@ -110,13 +110,15 @@ class WeftServer:
 
     def serve(self, workload: Workload) -> Served:
         self.runs += 1
+        seconds = workload.clock == "seconds"
         arrivals = [
-            Arrival(f"run{self.runs}-{i}", list(r.prompt_token_ids), greedy(r.max_tokens), r.arrival_tick)
+            Arrival(f"run{self.runs}-{i}", list(r.prompt_token_ids), greedy(r.max_tokens),
+                    r.arrival_s if seconds else r.arrival_tick)
             for i, r in enumerate(workload.requests)
         ]
         before = dataclasses.replace(self.engine.stats)
         with measure(self.engine_config.device) as window:
-            outputs = replay_ticks(self.engine, arrivals)
+            outputs = (replay_seconds if seconds else replay_ticks)(self.engine, arrivals)
         stats = self.engine.stats.since(before)
         return Served(outputs, window, stats.num_preemptions, stats.recomputed_tokens, stats.steps)
 

@@ -1,4 +1,7 @@
-"""Workloads: seeded synthetic requests (random token ids), arrival ticks and length mixes.
+"""Workloads: seeded synthetic requests (random token ids), arrivals and length mixes.
+
+Arrivals are on one of two clocks: engine ticks (a tick is one engine step: the seed's e4, where a
+slower engine also sees requests arrive more slowly) or wall-clock seconds (as a server sees them).
 
 Everything is drawn from `random.Random(seed)`, so a workload is the same on every machine
 and Python version; token ids are uniform in [0, V) because no tokenizer is involved.
@@ -20,7 +23,8 @@ STANDARD_SEED = 0
 class Request:
     prompt_token_ids: tuple[int, ...]
     max_tokens: int  # generated with ignore_eos, so exactly this many
-    arrival_tick: int = 0  # engine step at which the request joins the queue
+    arrival_tick: int = 0  # engine step at which the request joins the queue (clock "ticks")
+    arrival_s: float = 0.0  # seconds after the run starts (clock "seconds")
 
     @property
     def max_len(self) -> int:
@@ -28,10 +32,14 @@ class Request:
         return len(self.prompt_token_ids) + self.max_tokens
 
 
+CLOCKS = ("ticks", "seconds")
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
     requests: tuple[Request, ...]
+    clock: str = "ticks"  # which arrival field counts, see CLOCKS
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -41,13 +49,9 @@ class Workload:
         return [list(r.prompt_token_ids) for r in self.requests]
 
     @property
-    def arrivals(self) -> list[int]:
-        return [r.arrival_tick for r in self.requests]
-
-    @property
     def offline(self) -> bool:
-        """Every request is there at tick 0 (what a batch API such as HF `generate` can serve)."""
-        return all(r.arrival_tick == 0 for r in self.requests)
+        """Every request is there at the start (what a batch API such as HF `generate` can serve)."""
+        return all(r.arrival_tick == 0 and r.arrival_s == 0 for r in self.requests)
 
     @property
     def input_tokens(self) -> int:
@@ -75,22 +79,22 @@ class Workload:
     def with_max_tokens(self, max_tokens: int) -> Workload:
         """Same prompts and arrivals, at most `max_tokens` each: a cheap warm-up with the same shapes."""
         requests = tuple(replace(r, max_tokens=min(r.max_tokens, max_tokens)) for r in self.requests)
-        return Workload(f"{self.name}-warmup", requests)
+        return Workload(f"{self.name}-warmup", requests, self.clock)
 
 
 def random_prompts(lengths: Sequence[int], vocab_size: int, rng: random.Random) -> list[tuple[int, ...]]:
     return [tuple(rng.randrange(vocab_size) for _ in range(n)) for n in lengths]
 
 
-def poisson_ticks(n: int, rate: float, rng: random.Random) -> list[int]:
-    """Arrival ticks of a Poisson process with `rate` requests per engine tick; the first is at 0."""
+def poisson_times(n: int, rate: float, rng: random.Random) -> list[float]:
+    """Arrival instants of a Poisson process with `rate` arrivals per unit of time; the first is at 0."""
     if rate <= 0:
-        raise ValueError(f"arrival rate must be > 0 requests per tick, got {rate}")
-    t, ticks = 0.0, [0]
+        raise ValueError(f"arrival rate must be > 0, got {rate}")
+    t, times = 0.0, [0.0]
     for _ in range(n - 1):
         t += rng.expovariate(rate)
-        ticks.append(int(t))
-    return ticks
+        times.append(t)
+    return times
 
 
 def fixed(batch: int, prompt_len: int, max_tokens: int, vocab_size: int, seed: int = 0) -> Workload:
@@ -129,12 +133,25 @@ def standard(
 
 
 def arrival_stream(
-    n: int, prompt_lengths: Sequence[int], max_tokens: int, rate: float, vocab_size: int, seed: int = 0
+    n: int,
+    prompt_lengths: Sequence[int],
+    max_tokens: int,
+    rate: float,
+    vocab_size: int,
+    seed: int = 0,
+    clock: str = "ticks",
 ) -> Workload:
-    """`n` requests, prompt lengths drawn from the mix `prompt_lengths`, arriving as a Poisson stream."""
+    """`n` requests, prompt lengths drawn from the mix `prompt_lengths`, arriving as a Poisson stream of
+    `rate` requests per tick or per second (`clock`). A seed gives the same prompts and instants on
+    either clock: only the unit of time differs."""
+    if clock not in CLOCKS:
+        raise ValueError(f"unknown clock {clock!r}: choose from {', '.join(CLOCKS)}")
     rng = random.Random(seed)
     lengths = [rng.choice(prompt_lengths) for _ in range(n)]
     prompts = random_prompts(lengths, vocab_size, rng)
-    ticks = poisson_ticks(n, rate, rng)
-    requests = tuple(Request(p, max_tokens, t) for p, t in zip(prompts, ticks, strict=True))
-    return Workload(f"stream-{n}-rate{rate:g}", requests)
+    times = poisson_times(n, rate, rng)
+    if clock == "ticks":
+        requests = tuple(Request(p, max_tokens, arrival_tick=int(t)) for p, t in zip(prompts, times, strict=True))
+    else:
+        requests = tuple(Request(p, max_tokens, arrival_s=t) for p, t in zip(prompts, times, strict=True))
+    return Workload(f"stream-{n}-rate{rate:g}" + ("" if clock == "ticks" else "-per-s"), requests, clock)
