@@ -98,16 +98,16 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import uvicorn
 
     from weft.inference.config import EngineConfig
-    from weft.inference.engine import LLMEngine
     from weft.serve.api_server import build_app
+    from weft.serve.async_engine import AsyncEngine
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
     try:
         config = EngineConfig(model=args.model, **{k: v for k, v in options.items() if v is not None})
-        engine = LLMEngine(config)
+        engine = AsyncEngine(config, args.max_queued_requests)  # the engine is built in its own process
     except (ValueError, TypeError) as e:
         parser.error(str(e))
-    app = build_app(engine, args.served_model_name or str(args.model), args.max_queued_requests)
+    app = build_app(engine, args.served_model_name or str(args.model))
     print(f"weft: serving {args.model} at http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

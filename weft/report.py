@@ -24,8 +24,8 @@ from weft.benchmark.results import EXPERIMENTS, ReportError, Selection, commits_
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _s(v: float) -> str:
-    return f"{v:.3g}"
+def _3g(v: float) -> str:
+    return f"{v:.3g}" if abs(v) < 1e3 else f"{v:,.0f}"  # 1,340, not 1.34e+03
 
 
 def _ms(v: float) -> str:
@@ -40,31 +40,42 @@ def _gb(v: float) -> str:
     return f"{v / 1e9:.1f}"
 
 
-# column -> (header, format): the header names the unit its format shows (records hold seconds and
-# bytes; ITL and kernel times read best in ms, memory in GB). Every table labels a metric with its
-# header, never with the record's field name, whose suffix names the stored unit instead.
+def _req_rate(v: float) -> str:
+    return "inf" if v == float("inf") else f"{v:g}"
+
+
+# column -> (header, format): the header names the unit its format shows (weft's records hold seconds
+# and bytes; ITL and kernel times read best in ms, memory in GB; e9's client latencies are stored in
+# ms, as vLLM's `bench serve` names them). Every table labels a metric (and a key column listed here)
+# with its header, never with the record's field name, whose suffix names the stored unit instead.
 COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
-    "ttft_p50_s": ("TTFT p50 (s)", _s), "ttft_p90_s": ("TTFT p90 (s)", _s), "ttft_p99_s": ("TTFT p99 (s)", _s),
+    "ttft_p50_s": ("TTFT p50 (s)", _3g), "ttft_p90_s": ("TTFT p90 (s)", _3g), "ttft_p99_s": ("TTFT p99 (s)", _3g),
     "itl_p50_s": ("ITL p50 (ms)", _ms), "itl_p99_s": ("ITL p99 (ms)", _ms),
-    "e2e_p50_s": ("e2e p50 (s)", _s), "makespan_s": ("makespan (s)", _s),
+    "e2e_p50_s": ("e2e p50 (s)", _3g), "makespan_s": ("makespan (s)", _3g),
     "input_tok_s": ("input tok/s", _rate), "output_tok_s": ("output tok/s", _rate),
     "peak_mem_bytes": ("peak mem (GB)", _gb), "preemptions": ("preemptions", _rate),
     "recomputed_tokens": ("recomputed tokens", _rate), "incomplete_requests": ("incomplete requests", _rate),
     "gbps": ("GB/s", _rate), "pct_of_copy": ("% of copy", _rate), "time_s": ("time (ms)", _ms),
-    "ratio_vs_sdpa": ("time ÷ SDPA", _s), "tflops": ("TFLOP/s", _s), "sdpa_tflops": ("SDPA TFLOP/s", _s),
+    "ratio_vs_sdpa": ("time ÷ SDPA", _3g), "tflops": ("TFLOP/s", _3g), "sdpa_tflops": ("SDPA TFLOP/s", _3g),
+    "request_rate": ("request rate (req/s)", _req_rate), "request_goodput": ("goodput (req/s)", _3g),
+    "median_ttft_ms": ("TTFT p50 (ms)", _3g), "p99_ttft_ms": ("TTFT p99 (ms)", _3g),
+    "median_tpot_ms": ("TPOT p50 (ms)", _3g), "p99_tpot_ms": ("TPOT p99 (ms)", _3g),
+    "median_itl_ms": ("ITL p50 (ms)", _3g),
 }
 TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns, metric columns)
     "e1": (["config", "S"], ["ttft_p50_s", "itl_p50_s", "output_tok_s", "peak_mem_bytes"]),
     "e2": (["config", "B"], ["ttft_p50_s", "itl_p50_s", "output_tok_s", "peak_mem_bytes"]),
     "e3_prefill": (["B", "T", "P"], ["time_s", "ratio_vs_sdpa", "tflops", "sdpa_tflops"]),
-    "e4": (["config"], ["ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "e2e_p50_s", "makespan_s",
-                        "output_tok_s", "preemptions"]),
+    "e4": (["clock", "config"], ["ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "e2e_p50_s",
+                                 "makespan_s", "output_tok_s", "preemptions"]),
     "e5": (["config", "pool_fraction", "pool_blocks"], ["output_tok_s", "makespan_s", "preemptions",
                                                         "recomputed_tokens", "ttft_p50_s", "itl_p50_s"]),
     "e6": (["attention", "block_size"], ["output_tok_s", "ttft_p50_s", "itl_p50_s", "peak_mem_bytes"]),
     "e7": (["config", "steps"], ["itl_p50_s"]),
     "e8": (["config"], ["ttft_p50_s", "itl_p50_s", "e2e_p50_s", "makespan_s", "input_tok_s", "output_tok_s",
                         "peak_mem_bytes", "incomplete_requests"]),
+    "e9": (["server", "config", "request_rate"], ["median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+                                                  "median_itl_ms", "output_tok_s", "request_goodput"]),
 }
 COMPARED = ["output_tok_s", "makespan_s", "ttft_p50_s", "itl_p50_s", "gbps", "time_s"]
 
@@ -100,13 +111,60 @@ def experiment_table(experiment: str, df: pd.DataFrame) -> str:
     keys = [k for k in keys if k in df]
     metrics = [m for m in metrics if m in df and df[m].notna().any()]
     df = df.sort_values(keys)
-    header = keys + [COLUMNS[m][0] for m in metrics]
+    header = [COLUMNS[c][0] if c in COLUMNS else c for c in keys + metrics]
     rows = [[_cell(c, getattr(r, c)) for c in keys + metrics] for r in df.itertuples()]
     if experiment == "e7":
         header.append("top ops (self ms per tick)")
         for row, ops in zip(rows, df["top_ops"], strict=True):
             row.append(", ".join(f"`{op}` {ms:.2g}" for op, ms in charts.op_times(ops).head(4).items()))
     return markdown_table(header, rows)
+
+
+def _one(df: pd.DataFrame, column: str) -> str:
+    """`column`'s one value in `df` as text after a space (" 4"), or "" when it has none or several."""
+    values = df[column].dropna().unique() if column in df else []
+    return f" {values[0]:g}" if len(values) == 1 else ""
+
+
+def clock_notes(df: pd.DataFrame) -> list[str]:
+    """e4: what each clock means, with the arrival rates its records state."""
+    per_tick, per_s = _one(df, "arrival_rate_per_tick"), _one(df, "arrival_rate_per_s")
+    return [
+        f"`ticks`: the seed's reproduction, Poisson arrivals{per_tick and ' at' + per_tick} per engine step, so a"
+        " slower engine's requests also arrive more slowly.",
+        f"`seconds`: Poisson arrivals{per_s and ' at' + per_s} per wall-clock second, the same instants for"
+        " every engine: what a user compares. A makespan is never shorter than the last arrival.",
+    ]
+
+
+def serving_notes(df: pd.DataFrame) -> list[str]:
+    """e9: what the servers are, the goodput's SLOs, and each server's output tok/s at rate inf over
+    the offline engine's of the same config (what HTTP costs)."""
+    notes = [
+        "`server`: loaded over HTTP by a client with vLLM's `bench serve` conventions, timed on the client"
+        " (a peer server gets rows of its own); `offline`: the same engine options serving the same requests"
+        " without HTTP (as `LLM.generate` does), timed by the engine (no TPOT)."
+    ]
+    slos = df["goodput_slo_ms"].dropna() if "goodput_slo_ms" in df else pd.Series(dtype=object)
+    if len(slos) and all(slo == slos.iloc[0] for slo in slos):
+        notes.append("goodput: requests/s meeting " + " and ".join(
+            f"{metric.upper()} ≤ {ms:g} ms" for metric, ms in slos.iloc[0].items()) + ".")
+    offline = df[df["server"] == "offline"]
+    at_inf = df[(df["server"] != "offline") & (df["request_rate"] == float("inf"))]
+    for r in at_inf.sort_values(["server", "config"]).itertuples():
+        base = offline.loc[offline["config"] == r.config, "output_tok_s"]
+        if len(base) == 1:
+            notes.append(f"{r.server} ({r.config}) at rate inf ÷ offline, output tok/s: {r.output_tok_s:,.0f} ÷"
+                         f" {base.iloc[0]:,.0f} = {r.output_tok_s / base.iloc[0]:.2f}×.")
+    return notes
+
+
+NOTES: dict[str, Callable[[pd.DataFrame], list[str]]] = {"e4": clock_notes, "e9": serving_notes}
+
+
+def experiment_notes(experiment: str, df: pd.DataFrame) -> str:
+    """What an experiment's table needs said beside it, as markdown bullets ("" for none)."""
+    return "\n".join(f"- {note}" for note in NOTES[experiment](df)) if experiment in NOTES else ""
 
 
 def ratio_table(subject: pd.DataFrame, baseline: pd.DataFrame) -> str:
@@ -159,6 +217,8 @@ def summary(selection: Selection, subject: pd.DataFrame, baseline: pd.DataFrame,
         if experiment in drawn:
             out += [f"![{experiment}]({experiment}.png)", ""]
         out.append(experiment_table(experiment, df))
+        if notes := experiment_notes(experiment, df):
+            out += ["", notes]
     missing = [e for e in EXPERIMENTS if e not in set(subject["experiment"])]
     if missing:
         out += ["", f"Not measured on this machine: {', '.join(missing)}."]

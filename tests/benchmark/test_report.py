@@ -4,9 +4,12 @@ import json
 import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from weft.benchmark import charts
+from weft.benchmark.claims import claims
+from weft.benchmark.results import gather, normalize
 from weft.report import main
 
 SERVING = dict(
@@ -22,6 +25,33 @@ def serving(experiment: str, config: str, **changes) -> dict:
     scheduler, _, attention = config.partition("×")
     return {**SERVING, "experiment": experiment, "config": config, "scheduler": scheduler,
             "attention": attention or "sdpa", **changes}
+
+
+SLO_MS = {"ttft": 500.0, "tpot": 50.0}
+
+
+def served(rate: float | str, output_tok_s: float, **changes) -> dict:
+    """An e9 record of `weft serve` under load at `rate` (vLLM's `bench serve` fields, ms)."""
+    return {
+        "experiment": "e9", "config": "continuous×triton", "engine": "weft", "server": "weft serve",
+        "scheduler": "continuous", "attention": "triton", "model": "m", "request_rate": rate,
+        "name": f"test_e9_serving[triton-rate{rate if isinstance(rate, str) else f'{rate:g}'}]",
+        "output_tok_s": output_tok_s, "output_throughput": output_tok_s, "makespan_s": 4000 / output_tok_s,
+        "request_throughput": output_tok_s / 100, "request_goodput": output_tok_s / 100, "goodput_slo_ms": SLO_MS,
+        "median_ttft_ms": 45.6, "p99_ttft_ms": 98.7, "median_tpot_ms": 7.89, "p99_tpot_ms": 9.87,
+        "median_itl_ms": 6.54, "p99_itl_ms": 45.6, "median_e2el_ms": 4321.0, **changes,
+    }  # fmt: skip
+
+
+def e9_records(speed: float = 1.0) -> list[dict]:
+    """weft serve at 4 and 16 req/s and at rate inf, and the offline engine serving the same requests."""
+    return [
+        serving("e9", "continuous×triton", server="offline", request_rate="inf", output_tok_s=1000.0 * speed,
+                name="test_e9_offline[triton]"),
+        served(4.0, 200.0 * speed),
+        served(16.0, 400.0 * speed, median_ttft_ms=80.0),
+        served("inf", 480.0 * speed, median_ttft_ms=1340.0, p99_ttft_ms=1360.0, request_goodput=0.0),
+    ]
 
 
 def records(speed: float = 1.0) -> list[dict]:
@@ -40,14 +70,15 @@ def records(speed: float = 1.0) -> list[dict]:
     rows += [dict(experiment="e3", attention=a, S=S, B=8, P=16, gbps=g * S / 32768, copy_gbps=4000.0,
                   pct_of_copy=g * S / 32768 / 40) for a, g in (("triton", 3000.0), ("paged", 900.0))
              for S in (512, 32768)]
-    return rows
+    return rows + e9_records(speed)
 
 
 def write_run(folder: Path, number: int, gpu: str, sha: str, rows: list[dict], when: str) -> Path:
     path = folder / "Linux-CPython-3.12-64bit" / f"{number:04d}_{sha[:6]}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    benchmarks = [{"name": f"test_{r['experiment']}[{r.get('config', r.get('attention'))}-{r.get('S', '')}"
-                           f"-{r.get('pool_fraction', '')}]", "extra_info": {**r, "gpu": gpu, "git_sha": sha}}
+    benchmarks = [{"name": r.get("name") or f"test_{r['experiment']}[{r.get('config', r.get('attention'))}"
+                                            f"-{r.get('S', '')}-{r.get('pool_fraction', '')}]",
+                   "extra_info": {**{k: v for k, v in r.items() if k != "name"}, "gpu": gpu, "git_sha": sha}}
                   for r in rows]
     path.write_text(json.dumps({"benchmarks": benchmarks, "datetime": when, "machine_info": {}}))
     return path
@@ -61,7 +92,7 @@ def test_one_run_gives_charts_claims_and_tables(tmp_path):
     write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", records(), "2026-11-29T10:00:00")
     assert run_report(tmp_path) == 0
     out = tmp_path / "out"
-    assert {p.name for p in out.glob("*.png")} == {f"{e}.png" for e in ("e1", "e3", "e4", "e5", "e7", "e8")}
+    assert {p.name for p in out.glob("*.png")} == {f"{e}.png" for e in ("e1", "e3", "e4", "e5", "e7", "e8", "e9")}
     readme = (out / "README.md").read_text()
     assert "NVIDIA H200" in readme and "abc123" in readme
     assert "10 s → 1.5 s (6.7×)" in readme  # the seed's figure, and the run's own next to it
@@ -93,7 +124,7 @@ def test_split_sessions_of_one_commit_merge_and_supersede_an_older_commit(tmp_pa
     (results / "notes.json").write_text("[1, 2]")
     assert run_report(tmp_path) == 0
     readme = (tmp_path / "out" / "README.md").read_text()
-    assert "- commit `new222`: e1, e3, e4, e5, e7, e8 (runs `0002_new222`, `0003_new222`)" in readme
+    assert "- commit `new222`: e1, e3, e4, e5, e7, e8, e9 (runs `0002_new222`, `0003_new222`)" in readme
     assert "old111" not in readme and "skipped" in readme and "baseline commit" not in readme
 
 
@@ -129,48 +160,137 @@ def tables(markdown: str) -> list[tuple[str, list[str], list[list[str]]]]:
     return found
 
 
-def stated_unit(label: str) -> tuple[str, float] | None:
-    """The record field a column label stands for, and the factor from the seconds stored there
-    to the unit the label states: "ITL p50 (ms)" -> ("itl_p50_s", 1e3); a bare field name such
-    as "itl_p50_s" states seconds by its suffix."""
+def stated_unit(label: str) -> list[tuple[str, float]]:
+    """The record fields a column label may stand for, each with the factor from the unit stored
+    there to the unit the label states: "ITL p50 (ms)" -> weft's itl_p50_s (seconds) x 1e3, or a
+    serving client's median_itl_ms (vLLM's names, ms) x 1; "TPOT p99 (ms)" -> tpot_p99_s x 1e3 or
+    p99_tpot_ms x 1; a bare field name such as "itl_p50_s" states seconds by its suffix; "goodput
+    (req/s)" is request_goodput, stored in requests/s."""
+    if label == "goodput (req/s)":
+        return [("request_goodput", 1.0)]
     if m := re.fullmatch(r"(.+) \((m?s)\)", label):
-        return m[1].lower().replace(" ", "_") + "_s", {"s": 1.0, "ms": 1e3}[m[2]]
-    return (label, 1.0) if re.fullmatch(r"\w+_s", label) else None
+        name, to_label = m[1].lower(), {"s": 1.0, "ms": 1e3}[m[2]]
+        fields = [(name.replace(" ", "_") + "_s", to_label)]
+        if stat := re.fullmatch(r"(\w+) (p\d+)", name):
+            client = {"e2e": "e2el"}.get(stat[1], stat[1])
+            fields.append((f"{'median' if stat[2] == 'p50' else stat[2]}_{client}_ms", to_label / 1e3))
+        return fields
+    return [(label, 1.0)] if re.fullmatch(r"\w+_s", label) else []
 
 
 def test_every_label_names_the_unit_its_cells_are_in(tmp_path):
-    """Records hold seconds; a column or metric labelled in ms shows ms (itl_p50_s=0.0123 as 12.3),
-    one labelled in s (or by the field's own name) shows s, in every table, the ratio table too."""
+    """weft's records hold seconds, e9's client latencies ms; a column or metric labelled in ms shows ms
+    (itl_p50_s=0.0123 as 12.3, median_itl_ms=6.54 as 6.54), one labelled in s (or by the field's own
+    name) shows s, in every table, the ratio table too."""
     timed = dict(ttft_p50_s=0.456, ttft_p90_s=0.567, ttft_p99_s=0.678, itl_p50_s=0.0123, itl_p99_s=0.0234,
                  e2e_p50_s=1.23, makespan_s=7.89)
     rows = [serving("e4", "continuous×triton", **timed), serving("e8", "continuous×triton", **timed),
             dict(experiment="e3_prefill", attention="triton", B=4, T=4096, P=16, time_s=0.00077,
-                 ratio_vs_sdpa=1.45, tflops=357.0, sdpa_tflops=518.0)]
+                 ratio_vs_sdpa=1.45, tflops=357.0, sdpa_tflops=518.0),
+            serving("e9", "continuous×triton", server="offline", request_rate="inf", name="test_e9_offline", **timed),
+            served(4.0, 200.0, request_goodput=3.53),
+            served("inf", 480.0, median_ttft_ms=1340.0, p99_ttft_ms=1360.0, median_tpot_ms=28.4, p99_tpot_ms=33.0,
+                   median_itl_ms=26.3, makespan_s=23.8)]
     write_run(tmp_path / "results", 1, "NVIDIA H200", "old111", rows, "2026-11-29T10:00:00")
     write_run(tmp_path / "results", 2, "NVIDIA H200", "new222", rows, "2026-11-29T11:00:00")
     assert run_report(tmp_path, "0001", "0002") == 0
-    record = {r["experiment"]: r for r in rows}
+    by_name = {r.get("name", f"test_{r['experiment']}[{r.get('config', r.get('attention'))}--]"): r for r in rows}
+
+    def record(experiment: str, cells: dict[str, str]) -> dict | None:
+        """The one record of `experiment` a table row shows (e9's told apart by server and rate)."""
+        rate = cells.get("request rate (req/s)")
+        found = [r for r in rows if r["experiment"] == experiment
+                 and cells.get("server", r.get("server")) == r.get("server")
+                 and (rate is None or float(rate) == float(r["request_rate"]))]
+        assert len(found) <= 1, (experiment, cells)
+        return found[0] if found else None
+
     checked = set()
     for section, header, body in tables((tmp_path / "out" / "README.md").read_text()):
         for row in body:
             cells = dict(zip(header, row, strict=True))
             if "metric" in cells:  # the ratio table: the metric's label is a cell, its values two others
                 where, labelled = "ratio", [(cells["metric"], cells["baseline"]), (cells["metric"], cells["this"])]
-                experiment = cells["experiment"]
+                experiment, shows = cells["experiment"], by_name.get(cells["benchmark"])
             else:
                 where, labelled = "table", list(cells.items())
                 experiment = section.split(":")[0]
+                shows = record(experiment, cells)
             for label, cell in labelled:
-                field = stated_unit(label)
-                if experiment not in record or field is None or field[0] not in record[experiment]:
+                fields = [f for f in stated_unit(label) if shows and f[0] in shows]
+                if not fields:
                     continue
+                field, factor = fields[0]
                 shown = float(cell.replace(",", ""))
-                assert shown == pytest.approx(record[experiment][field[0]] * field[1], rel=5e-3), (section, label, cell)
-                checked.add((where, experiment, field[0]))
+                assert shown == pytest.approx(shows[field] * factor, rel=5e-3), (section, label, cell)
+                checked.add((where, experiment, field))
     assert {("ratio", "e8", m) for m in ("ttft_p50_s", "itl_p50_s", "makespan_s")} <= checked
     assert ("ratio", "e3_prefill", "time_s") in checked
     assert {("table", "e4", m) for m in timed if m != "itl_p99_s"} <= checked
     assert {("table", "e8", "itl_p50_s"), ("table", "e3_prefill", "time_s")} <= checked
+    served_ms = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")
+    assert {("table", "e9", m) for m in (*served_ms, "ttft_p50_s", "ttft_p99_s", "itl_p50_s")} <= checked
+    assert ("table", "e9", "request_goodput") in checked
+    assert {("ratio", "e9", m) for m in ("makespan_s", "ttft_p50_s", "itl_p50_s")} <= checked
+
+
+E4_CONFIGS = ("static×contiguous", "continuous×paged", "continuous×triton")
+
+
+def on_clock(clock: str | None, ttft: tuple[float, ...], makespan: tuple[float, ...], itl: tuple[float, ...]):
+    """e4 records of the three configs on `clock` (None: an older record, without the key)."""
+    extra = {} if clock is None else {"clock": clock}
+    return [serving("e4", c, ttft_p50_s=t, makespan_s=m, itl_p50_s=i, **extra)
+            for c, t, m, i in zip(E4_CONFIGS, ttft, makespan, itl, strict=True)]
+
+
+@pytest.mark.parametrize("order", ["ticks first", "seconds first", "ticks without the key"])
+def test_claims_take_each_clock_from_its_own_records(order):
+    """Claims 1, 2 and 4 come from the ticks records (the seed's clock) and their restatements from the
+    seconds records, in whichever order the run holds them; a record without `clock` is on ticks."""
+    ticks = on_clock(None if order == "ticks without the key" else "ticks", (6.57, 0.118, 0.0314),
+                     (24.4, 19.3, 2.45), (0.0877, 0.0642, 0.00816))
+    seconds = on_clock("seconds", (4.46, 0.126, 0.0425), (27.6, 25.0, 18.2), (0.0656, 0.0647, 0.00475))
+    for r in seconds:
+        r.update(requests=64, arrival_rate_per_s=4.0)
+    rows = seconds + ticks if order == "seconds first" else ticks + seconds
+    measured = [c.measured for c in claims(normalize(pd.DataFrame(rows)))]
+    assert measured[0] == "6.57 s → 0.0314 s (209×)"
+    assert measured[1] == "4.46 s → 0.0425 s (105×)"
+    assert measured[2] == "24.4 s vs 2.45 s (10×)"
+    assert measured[3] == "27.6 s vs 18.2 s (1.5×); the arrivals alone: 15.8 s expected (64 requests at 4 /s)"
+    assert measured[5] == "8.16 ms continuous×triton / 64.2 ms continuous×paged / 87.7 ms static×contiguous"
+    assert measured[6] == "4.75 ms continuous×triton / 64.7 ms continuous×paged / 65.6 ms static×contiguous"
+    what = [c.what for c in claims(pd.DataFrame(rows))]
+    assert "arrivals in engine ticks" in what[0] and "arrivals in wall-clock seconds" in what[1]
+
+
+def test_a_claim_refuses_two_records_of_one_config_on_one_clock():
+    rows = on_clock("ticks", (6.0, 0.1, 0.03), (24.0, 19.0, 2.4), (0.09, 0.06, 0.008))
+    rows += on_clock("ticks", (7.0, 0.1, 0.04), (25.0, 19.0, 2.5), (0.09, 0.06, 0.008))[2:]
+    measured = [c.measured for c in claims(normalize(pd.DataFrame(rows)))]
+    assert measured[0] == measured[2] == measured[5] == (
+        "n/a: e4 has several records of continuous×triton on the ticks clock")
+    assert measured[1] == "n/a: no e4 records on the seconds clock"
+
+
+def test_e9_draws_the_latency_throughput_curve_with_rate_inf_at_the_right_end(tmp_path):
+    """A line per server, inf the last tick, the offline engine's output tok/s across, and the server
+    at rate inf over it in the report."""
+    write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", e9_records(), "2026-11-29T10:00:00")
+    assert run_report(tmp_path) == 0
+    readme = (tmp_path / "out" / "README.md").read_text()
+    e9 = readme.split("## e9: serving over HTTP")[1]
+    assert "| weft serve | continuous×triton | inf | 1,340 | 1,360 | 7.89 | 9.87 | 6.54 | 480 | 0 |" in e9
+    assert "| offline | continuous×triton | inf | 500 | 700 | – | – | 20 | 1,000 | – |" in e9
+    assert "weft serve (continuous×triton) at rate inf ÷ offline, output tok/s: 480 ÷ 1,000 = 0.48×." in e9
+    assert "goodput: requests/s meeting TTFT ≤ 500 ms and TPOT ≤ 50 ms." in e9
+    assert (tmp_path / "out" / "e9.png").read_bytes().startswith(b"\x89PNG")
+    fig = charts.figure("e9", gather([], [], tmp_path / "results").records(), "NVIDIA H200")
+    for ax in fig.axes:
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "16", "inf"]
+    legend = [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
+    assert "weft serve (continuous×triton)" in legend and "offline (continuous×triton): 1,000" in legend
 
 
 @pytest.mark.parametrize(
@@ -180,7 +300,7 @@ def test_every_label_names_the_unit_its_cells_are_in(tmp_path):
         ("machines", ("0001", "0002"), "different machines (NVIDIA H200: 0001_aaa; cpu: 0002_bbb)"),
         ("commits", ("0001", "0002", "0003"), "span 3 commits"),
         ("one", ("0007",), "'0007': no run of that name"),
-        ("one", ("--experiment", "e9"), "unknown experiment 'e9'"),
+        ("one", ("--experiment", "e10"), "unknown experiment 'e10'"),
         ("one", ("--attention", "flash"), "unknown attention 'flash'"),
         ("one", ("--model", "gpt2"), "unknown model 'gpt2'"),
         ("one", ("--experiment", "e6"), "no records left after the filters"),
@@ -218,7 +338,8 @@ def test_a_run_of_one_experiment_reports_the_other_claims_as_missing(tmp_path):
     write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", e3_only, "2026-11-29T10:00:00")
     assert run_report(tmp_path) == 0
     readme = (tmp_path / "out" / "README.md").read_text()
-    assert "n/a: e4 lacks" in readme and "n/a: e5 lacks" in readme and "triton 3000 GB/s" in readme
+    assert "n/a: no e4 records on the ticks clock" in readme and "n/a: e5 lacks" in readme
+    assert "triton 3000 GB/s" in readme
     assert "| 8 | 16 | 32768 | 900 (22%) | 3,000 (75%) |" in readme
 
 

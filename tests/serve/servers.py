@@ -1,5 +1,5 @@
-"""Servers for the live tests: `weft serve` as a user starts it (a subprocess on 127.0.0.1), and an
-in-process one over an engine the test holds (to break it, or bound its queue)."""
+"""Servers for the live tests: `weft serve` as a user starts it (a subprocess on 127.0.0.1), and one
+whose app runs in this process (its engine process still its own), so a test can reach into it."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from contextlib import contextmanager
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
 
-from weft.inference.engine import LLMEngine
+from weft.inference.config import EngineConfig
 from weft.serve.api_server import build_app
+from weft.serve.async_engine import AsyncEngine
 
 START_TIMEOUT_S = 240
 
@@ -62,16 +64,19 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None) -> None:
 
 
 @contextmanager
-def in_process_server(engine: LLMEngine, name: str, **options: object) -> Iterator[str]:
-    """build_app(engine) under uvicorn in a thread of this process -> its base URL (…/v1)."""
+def in_process_server(config: EngineConfig, name: str, max_queued_requests: int | None = None) -> Iterator[
+    tuple[str, FastAPI]
+]:
+    """build_app over an engine process for `config`, under uvicorn in a thread of this process
+    -> (its base URL …/v1, the app: `app.state.engine` is the AsyncEngine)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, name, **options), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    app = build_app(AsyncEngine(config, max_queued_requests), name)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
         wait_healthy(f"http://127.0.0.1:{port}")
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}/v1", app
     finally:
         server.should_exit = True
         thread.join(30)

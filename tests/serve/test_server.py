@@ -16,7 +16,6 @@ from tests.serve.servers import in_process_server, weft_server
 from weft import LLM, SamplingParams
 from weft.conformance import PROMPTS
 from weft.inference.config import EngineConfig
-from weft.inference.engine import LLMEngine
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
 pytestmark = pytest.mark.serve
@@ -221,22 +220,27 @@ def test_models_and_metrics(server, client):
         assert name in text
 
 
-# ---- an engine the test holds: a full queue, a dead loop, a model without a chat template ----------------
+# ---- a server whose app runs here: a full queue, a dead engine, a model without a chat template ----------
 
 
-@pytest.fixture
-def tiny_engine(device) -> LLMEngine:
-    engine = LLMEngine(EngineConfig("tiny-llama", num_blocks=64, block_size=4, max_num_seqs=1, device=device))
-    yield engine
-    engine.close()
+@pytest.fixture(scope="module")
+def tiny(device) -> EngineConfig:
+    return EngineConfig("tiny-llama", num_blocks=64, block_size=4, max_num_seqs=1, device=device)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny) -> str:
+    """One for the tests that leave it serving."""
+    with in_process_server(tiny, "tiny-llama") as (url, _):
+        yield url
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}/{path}", json={"model": "tiny-llama", **body}, timeout=60)
 
 
-def test_a_full_queue_answers_429(tiny_engine):
-    with in_process_server(tiny_engine, "tiny-llama", max_queued_requests=1) as url:
+def test_a_full_queue_answers_429(tiny):
+    with in_process_server(tiny, "tiny-llama", max_queued_requests=1) as (url, _):
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=60) as http:
@@ -244,22 +248,24 @@ def test_a_full_queue_answers_429(tiny_engine):
                         "ignore_eos": True}
                 return await asyncio.gather(*(http.post(f"{url}/completions", json=body) for _ in range(6)))
 
-        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        responses = asyncio.run(burst())
+        codes = sorted(r.status_code for r in responses)
         assert 200 in codes and 429 in codes and set(codes) <= {200, 429}, codes
+        assert all(r.json()["error"]["type"] == "rate_limit_exceeded" for r in responses if r.status_code == 429)
         assert post(url, "completions", {"prompt": [1, 2], "max_tokens": 2}).status_code == 200
 
 
-def test_no_chat_template_and_a_request_that_can_never_fit_get_400(tiny_engine):
-    with in_process_server(tiny_engine, "tiny-llama") as url:
-        response = post(url, "chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
-        assert response.status_code == 400 and "has no chat template" in response.json()["error"]["message"]
-        huge = post(url, "completions", {"prompt": [1] * 300, "max_tokens": 2})  # the pool: 64 blocks of 4
-        assert huge.status_code == 400 and "could never run" in huge.json()["error"]["message"]
-        assert huge.json()["error"]["param"] == "prompt"
-        assert post(url, "completions", {"prompt": [1, 2], "max_tokens": 2}).status_code == 200
+def test_no_chat_template_and_a_request_that_can_never_fit_get_400(tiny_server):
+    url = tiny_server
+    response = post(url, "chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400 and "has no chat template" in response.json()["error"]["message"]
+    huge = post(url, "completions", {"prompt": [1] * 300, "max_tokens": 2})  # the pool: 64 blocks of 4
+    assert huge.status_code == 400 and "could never run" in huge.json()["error"]["message"]
+    assert huge.json()["error"]["param"] == "prompt"
+    assert post(url, "completions", {"prompt": [1, 2], "max_tokens": 2}).status_code == 200
 
 
-def test_an_exception_serving_one_request_fails_it_alone(tiny_engine, monkeypatch):
+def test_an_exception_serving_one_request_fails_it_alone(tiny_server, monkeypatch):
     import weft.serve.api_server as api
 
     real = api.token_fields
@@ -269,22 +275,27 @@ def test_an_exception_serving_one_request_fails_it_alone(tiny_engine, monkeypatc
             raise RuntimeError("serializer broke")
         return real(request, first, tokens)
 
-    monkeypatch.setattr(api, "token_fields", fails_for_seven)
-    with in_process_server(tiny_engine, "tiny-llama") as url:
-        bad = post(url, "completions", {"prompt": [1, 2], "max_tokens": 7, "ignore_eos": True})
-        assert bad.status_code == 500 and "serializer broke" in bad.json()["error"]["message"]
-        good = post(url, "completions", {"prompt": [1, 2], "max_tokens": 5, "ignore_eos": True})
-        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 5
-        assert not tiny_engine.requests and tiny_engine.scheduler.blocks.num_free == 64
+    monkeypatch.setattr(api, "token_fields", fails_for_seven)  # the app runs here: the patch reaches it
+    url = tiny_server
+    bad = post(url, "completions", {"prompt": [1, 2], "max_tokens": 7, "ignore_eos": True})
+    assert bad.status_code == 500 and "serializer broke" in bad.json()["error"]["message"]
+    good = post(url, "completions", {"prompt": [1, 2], "max_tokens": 5, "ignore_eos": True})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 5
+    assert wait_for_metric(url, "weft:kv_blocks_used", 0) == 0
 
 
-def test_a_dead_engine_loop_answers_503(tiny_engine, monkeypatch):
-    def broken_step():
-        raise RuntimeError("the device is gone")
-
-    with in_process_server(tiny_engine, "tiny-llama") as url:
-        monkeypatch.setattr(tiny_engine, "step", broken_step)
-        failed = post(url, "completions", {"prompt": [1, 2], "max_tokens": 4})
-        assert failed.status_code == 503 and "the engine loop died" in failed.json()["error"]["message"]
+def test_a_dead_engine_answers_503(tiny):
+    with in_process_server(tiny, "tiny-llama") as (url, app):
+        body = {"model": "tiny-llama", "prompt": [1, 2], "max_tokens": 250, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            app.state.engine.process.kill()  # mid-stream: the request is under way
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert json.loads(first[6:])["choices"]
+        errors = [json.loads(line[6:])["error"] for line in rest if line != "data: [DONE]" and "error" in line]
+        assert errors and errors[0]["code"] == 503 and "the engine process died" in errors[0]["message"]
+        assert sum(1 for line in rest if '"choices"' in line) < 249
         assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 503
-        assert post(url, "completions", {"prompt": [1, 2], "max_tokens": 4}).status_code == 503
+        refused = post(url, "completions", {"prompt": [1, 2], "max_tokens": 4})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"

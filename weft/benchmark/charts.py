@@ -7,6 +7,7 @@ weft.report` writes those bytes to results/ and analysis.ipynb displays the same
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable
 
 import pandas as pd
@@ -16,6 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from weft.benchmark.results import EXPERIMENTS
+from weft.benchmark.workloads import CLOCKS
 
 MS = 1e3
 DPI = 110
@@ -83,7 +85,7 @@ def e3(df: pd.DataFrame) -> Figure:
 
 
 def _stream(df: pd.DataFrame) -> Figure:
-    """The scheduler × backend comparisons (e4, e8): latency and throughput side by side."""
+    """The scheduler × backend comparisons (e8): latency and throughput side by side."""
     fig, (ttft, itl, span, tput) = _figure(4)
     df = _with_ms(df)
     _bars(ttft, df, "ttft_p50_ms", "TTFT p50 (ms)")
@@ -146,15 +148,90 @@ def e7(df: pd.DataFrame) -> Figure:
     return fig
 
 
+def _value(v: float) -> str:
+    return f"{v:.3g}" if abs(v) < 1e3 else f"{v:,.0f}"
+
+
+def e4(df: pd.DataFrame) -> Figure:
+    """`_stream`'s four panels with a bar per arrival clock beside each config (ticks, the seed's,
+    first), each bar labelled with its value so that the short ones read too."""
+    fig, axes = _figure(4)
+    df = _with_ms(df)
+    clocks = [c for c in CLOCKS if c in set(df["clock"])]
+    panels = (("ttft_p50_ms", "TTFT p50 (ms)"), ITL, ("makespan_s", "makespan (s)"), THROUGHPUT)
+    for i, (ax, (y, ylabel)) in enumerate(zip(axes, panels, strict=True)):
+        sns.barplot(data=df, x="config", y=y, hue="clock", hue_order=clocks, ax=ax)
+        for bars in ax.containers:
+            ax.bar_label(bars, fmt=_value, fontsize="x-small")
+        ax.set_xlabel("")
+        ax.set_ylabel(ylabel)
+        ax.tick_params(axis="x", labelrotation=20)
+        if i:
+            ax.get_legend().remove()
+        else:
+            ax.legend(title="arrival clock", fontsize="small")
+    return fig
+
+
+def _rates(df: pd.DataFrame) -> tuple[pd.DataFrame, list[float], list[str]]:
+    """e9's records with `x`, where each is drawn on a log2 axis of request rates (rate inf one step
+    right of the highest finite rate), and that axis' ticks and their labels."""
+    finite = sorted(r for r in df["request_rate"].unique() if math.isfinite(r))
+    at_inf = 2 * finite[-1] if finite else 1.0
+    ticks = finite + ([at_inf] if (df["request_rate"] == math.inf).any() else [])
+    labels = [f"{r:g}" for r in finite] + ["inf"] * (len(ticks) - len(finite))
+    return df.assign(x=df["request_rate"].where(df["request_rate"] != math.inf, at_inf)), ticks, labels
+
+
+def _percentiles(df: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """p50 and p99 of a client latency (`median_{metric}_ms`, `p99_{metric}_ms`) as rows of one column `ms`."""
+    return pd.concat([df.assign(ms=df[f"{stat}_{metric}_ms"], percentile=label)
+                      for stat, label in (("median", "p50"), ("p99", "p99"))], ignore_index=True)
+
+
+def e9(df: pd.DataFrame) -> Figure:
+    """The latency-throughput curve: TTFT and TPOT (p50 solid, p99 dashed; the goodput's SLO dotted),
+    output tokens/s (the offline engine's dashed across) and goodput against the request rate, a line
+    per server and config, so a peer server shows up beside weft."""
+    offline = df[df["server"] == "offline"]
+    served, ticks, labels = _rates(df[df["server"] != "offline"])
+    served = served.assign(server=served["server"] + " (" + served["config"] + ")")
+    slos = served["goodput_slo_ms"].dropna() if "goodput_slo_ms" in served else pd.Series(dtype=object)
+    slo = slos.iloc[0] if len(slos) and all(s == slos.iloc[0] for s in slos) else {}
+    fig, (ttft, tpot, tput, good) = _figure(4)
+    for ax, metric in ((ttft, "ttft"), (tpot, "tpot")):
+        sns.lineplot(data=_percentiles(served, metric), x="x", y="ms", hue="server", style="percentile", markers=True,
+                     ax=ax)
+        if metric in slo:
+            ax.axhline(slo[metric], color="gray", linestyle=":", label=f"goodput SLO {slo[metric]:g} ms")
+        ax.set_ylabel(f"{metric.upper()} (ms)")
+    sns.lineplot(data=served, x="x", y="output_tok_s", hue="server", marker="o", ax=tput)
+    for r in offline.itertuples():
+        tput.axhline(r.output_tok_s, color="gray", linestyle="--", label=f"offline ({r.config}): {r.output_tok_s:,.0f}")
+    tput.set_ylabel("output tokens/s")
+    requests = pd.concat([served.assign(rps=served[c], requests=what) for c, what in
+                          (("request_throughput", "completed"), ("request_goodput", "within the SLO"))])
+    sns.lineplot(data=requests, x="x", y="rps", hue="server", style="requests", markers=True, ax=good)
+    good.set_ylabel("requests/s")
+    for ax in (ttft, tpot, tput, good):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, labels=labels)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize="x-small")
+    return fig
+
+
 CHARTS: dict[str, Callable[[pd.DataFrame], Figure]] = {
     "e1": e1,
     "e2": e2,
     "e3": e3,
-    "e4": _stream,
+    "e4": e4,
     "e5": e5,
     "e6": e6,
     "e7": e7,
     "e8": _stream,
+    "e9": e9,
 }
 
 

@@ -26,8 +26,15 @@ EXPERIMENTS = {
     "e6": "block-size sweep",
     "e7": "per-tick profile",
     "e8": "standard workload",
+    "e9": "serving over HTTP",
 }
 IDENTITY = ("experiment", "gpu", "git_sha")  # what every record must say about itself
+# e9's latency fields (ms, as vLLM's `bench serve` names them) <- the same of weft's serving metrics (s)
+E9_FROM_SECONDS = {
+    f"{stat}_{client}_ms": f"{engine}_{p}_s"
+    for client, engine in (("ttft", "ttft"), ("itl", "itl"), ("e2el", "e2e"))
+    for stat, p in (("median", "p50"), ("p90", "p90"), ("p99", "p99"))
+}
 
 
 class ReportError(Exception):
@@ -63,7 +70,37 @@ def load_run(path: Path) -> Run:
     for key in ("gpu", "git_sha"):
         if records[key].nunique() > 1:
             raise ReportError(f"{path}: one run with several values of {key}: {sorted(records[key].unique())}")
+    try:
+        records = normalize(records)
+    except ValueError as e:
+        raise ReportError(f"{path}: {e}") from None
     return Run(path, when, records["gpu"].iloc[0], records["git_sha"].iloc[0], records)
+
+
+def normalize(records: pd.DataFrame) -> pd.DataFrame:
+    """A run's records in the fields of the newest commits, so each fact is read in one place: an e4
+    record without `clock` is on the seed's clock, `ticks` (e4 before 99cd669); e9's `request_rate`
+    is a float (`inf`, every request at once, is stored as the string "inf"); an e9 record timed by
+    the engine itself (`server` "offline") gets the client's ms latencies from its seconds
+    (`E9_FROM_SECONDS`; it has no TPOT). A rate that is no number is a ValueError."""
+    records = records.copy()
+    e4, e9 = records["experiment"] == "e4", records["experiment"] == "e9"
+    if e4.any():
+        if "clock" not in records:
+            records["clock"] = None
+        records.loc[e4 & records["clock"].isna(), "clock"] = "ticks"
+    if e9.any() and "request_rate" in records:
+        try:
+            records["request_rate"] = pd.to_numeric(records["request_rate"])
+        except ValueError as e:
+            raise ValueError(f"request_rate must be a number or 'inf' ({e})") from None
+    for ms, s in E9_FROM_SECONDS.items():
+        timed = (e9 & records[s].notna()) if s in records else None
+        if timed is not None and ms in records:
+            timed &= records[ms].isna()
+        if timed is not None and timed.any():
+            records.loc[timed, ms] = records.loc[timed, s] * 1e3
+    return records
 
 
 def find_runs(folder: Path) -> list[Path]:

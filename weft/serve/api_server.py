@@ -2,11 +2,11 @@
 
     POST /v1/completions        prompt: text, token ids, or a list of them; SSE with "stream": true
     POST /v1/chat/completions   messages through the model's chat template
-    GET  /v1/models, /health (503 once the engine loop has died), /metrics (Prometheus)
+    GET  /v1/models, /health (503 once the engine process has died), /metrics (Prometheus)
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad body or
 a request the engine refuses (the engine's own checks and words), 404 for another model's name,
-429 when --max-queued-requests are waiting, 503 when the engine loop is gone, 500 for a failure
+429 when --max-queued-requests are waiting, 503 when the engine process is gone, 500 for a failure
 while serving one request (that request only).
 """
 
@@ -23,9 +23,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from weft.inference.engine import LLMEngine
 from weft.inference.inputs import prompt_list
-from weft.inference.outputs import RequestOutput
+from weft.inference.outputs import CompletionOutput, RequestOutput
 from weft.serve.async_engine import AsyncEngine, Conversation, EngineDead, QueueFull
 from weft.serve.metrics import ServerMetrics
 from weft.serve.protocol import (
@@ -67,10 +66,10 @@ def refusal(e: Exception) -> APIError:
     return APIError(400, message, param=field if field in known else None)
 
 
-def build_app(engine: LLMEngine, served_model_name: str, max_queued_requests: int | None = None) -> FastAPI:
-    """The app; the engine loop starts with it (lifespan) and stops when it shuts down."""
-    aengine = AsyncEngine(engine, max_queued_requests)
-    metrics = ServerMetrics(engine)
+def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
+    """The app over a started engine process; outputs flow while the app runs, and the engine process
+    stops when the app shuts down (lifespan)."""
+    metrics = ServerMetrics(aengine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,6 +93,10 @@ def build_app(engine: LLMEngine, served_model_name: str, max_queued_requests: in
         return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}",
                               "invalid_request_error", where or None)
 
+    @app.exception_handler(EngineDead)
+    async def _dead(request: Request, e: EngineDead) -> JSONResponse:
+        return error_response(503, str(e), "service_unavailable")
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
         return error_response(500, f"{type(e).__name__}: {e}", "internal_server_error")
@@ -102,17 +105,20 @@ def build_app(engine: LLMEngine, served_model_name: str, max_queued_requests: in
     async def health() -> Response:
         if aengine.running:
             return Response(status_code=200)
-        return error_response(503, f"the engine loop is not running: {aengine.dead!r}", "service_unavailable")
+        return error_response(503, f"the engine process is not running: {aengine.dead}", "service_unavailable")
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.config.max_model_len)])
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=aengine.info.max_model_len)])
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def start(request: GenerationRequest, prompts: list[object]) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
+    def start(
+        request: GenerationRequest, prompts: list[object], labels: list[str]
+    ) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
+        """Checks that need no engine, then each prompt's stream (`labels` name them in errors)."""
         if request.model != served_model_name:
             raise APIError(404, f"The model `{request.model}` does not exist (this server serves "
                                 f"`{served_model_name}`).", "NotFoundError", "model")
@@ -124,11 +130,8 @@ def build_app(engine: LLMEngine, served_model_name: str, max_queued_requests: in
         except (ValueError, TypeError) as e:
             raise refusal(e) from None
         rid = uuid.uuid4().hex
-        labels = ["prompt"] if len(prompts) == 1 else [f"prompt {i}" for i in range(len(prompts))]
-        if isinstance(prompts[0], Conversation):
-            labels = ["messages"]
-        return rid, [aengine.generate(f"{rid}-{i}", p, params, label) for i, (p, label) in
-                     enumerate(zip(prompts, labels, strict=True))]
+        zipped = enumerate(zip(prompts, labels, strict=True))
+        return rid, [aengine.generate(f"{rid}-{i}", p, params, label) for i, (p, label) in zipped]
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
@@ -138,41 +141,32 @@ def build_app(engine: LLMEngine, served_model_name: str, max_queued_requests: in
             raise refusal(e) from None
         if not prompts:
             raise APIError(400, "prompt is empty: send text, token ids, or a list of them", param="prompt")
-        rid, streams = start(request, prompts)
+        labels = ["prompt"] if len(prompts) == 1 else [f"prompt {i}" for i in range(len(prompts))]
+        rid, streams = start(request, prompts, labels)
         firsts = await first_outputs(streams)
         if request.stream:
             return sse(completion_chunks(f"cmpl-{rid}", request, streams, firsts, metrics))
-        pieces = await collect(raw, streams, firsts)
         choices, usage = [], Usage()
-        for i, outs in enumerate(pieces):
-            metrics.finished(outs[-1])
-            tokens = [t for o in outs for t in o.outputs[0].token_ids]
-            usage.add(outs[0], len(tokens))
-            choices.append(CompletionChoice(
-                index=i, text="".join(o.outputs[0].text for o in outs), finish_reason=outs[-1].outputs[0].finish_reason,
-                stop_reason=outs[-1].outputs[0].stop_reason, **token_fields(request, outs[0], tokens),
-            ))  # fmt: skip
-        return JSONResponse(CompletionResponse(id=f"cmpl-{rid}", model=request.model, choices=choices,
-                                               usage=usage.info()).model_dump())
+        for i, outs in enumerate(await collect(raw, streams, firsts)):
+            text, tokens, last = joined(outs, metrics, usage)
+            choices.append(CompletionChoice(index=i, text=text, finish_reason=last.finish_reason,
+                                            stop_reason=last.stop_reason, **token_fields(request, outs[0], tokens)))
+        body = CompletionResponse(id=f"cmpl-{rid}", model=request.model, choices=choices, usage=usage.info())
+        return JSONResponse(body.model_dump())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
-        rid, streams = start(request, [Conversation(request.messages)])
+        rid, streams = start(request, [Conversation(request.messages)], ["messages"])
         firsts = await first_outputs(streams)
         if request.stream:
             return sse(chat_chunks(f"chatcmpl-{rid}", request, streams[0], firsts[0], metrics))
-        outs = (await collect(raw, streams, firsts))[0]
-        metrics.finished(outs[-1])
-        last = outs[-1].outputs[0]
-        tokens = [t for o in outs for t in o.outputs[0].token_ids]
-        usage = Usage()
-        usage.add(outs[0], len(tokens))
-        choice = ChatCompletionChoice(
-            index=0, message=ChatMessage(role="assistant", content="".join(o.outputs[0].text for o in outs)),
-            finish_reason=last.finish_reason, stop_reason=last.stop_reason, **token_fields(request, outs[0], tokens),
-        )  # fmt: skip
-        return JSONResponse(ChatCompletionResponse(id=f"chatcmpl-{rid}", model=request.model, choices=[choice],
-                                                   usage=usage.info()).model_dump())
+        outs, usage = (await collect(raw, streams, firsts))[0], Usage()
+        text, tokens, last = joined(outs, metrics, usage)
+        choice = ChatCompletionChoice(index=0, message=ChatMessage(role="assistant", content=text),
+                                      finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+                                      **token_fields(request, outs[0], tokens))
+        body = ChatCompletionResponse(id=f"chatcmpl-{rid}", model=request.model, choices=[choice], usage=usage.info())
+        return JSONResponse(body.model_dump())
 
     return app
 
@@ -251,6 +245,15 @@ async def merged(streams: list, firsts: list[RequestOutput]) -> AsyncIterator[tu
         for t in tasks:
             t.cancel()
         await close(streams)
+
+
+def joined(outs: list[RequestOutput], metrics: ServerMetrics, usage: Usage) -> tuple[str, list[int], CompletionOutput]:
+    """A finished request's pieces -> its text, its token ids and its last piece (with the finish reason);
+    counted in `usage` and the latency histograms."""
+    metrics.finished(outs[-1])
+    tokens = [t for o in outs for t in o.outputs[0].token_ids]
+    usage.add(outs[0], len(tokens))
+    return "".join(o.outputs[0].text for o in outs), tokens, outs[-1].outputs[0]
 
 
 class Usage:

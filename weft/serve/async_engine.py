@@ -1,31 +1,33 @@
-"""AsyncEngine: one LLMEngine driven by a thread of its own, fed and drained from asyncio.
+"""AsyncEngine: one LLMEngine in a process of its own, fed and drained from the server's event loop.
 
-Every call into the engine (checking and queueing a request, aborting one, stepping) runs on
-the engine thread, between steps: the engine and its tokenizer are never used from two threads
-at once, and the event loop never waits on the GPU. Requests come in through a thread-safe
-command queue; each step's outputs go back to the loop in one `call_soon_threadsafe`, which
-hands every request its own pieces. If a step raises, the engine may be half-way through its
-bookkeeping: every request in flight gets the error and the loop stops (`dead`); checks refuse
-bad requests before they reach a step, so one bad request never gets that far.
+The engine process owns the model, the tokenizer and the GPU: every call into the engine
+(checking and queueing a request, aborting one, stepping) runs there, between steps, and the
+event loop never waits on the GPU nor shares an interpreter lock with the engine's host work.
+Commands go down one pipe; each step's new tokens come back up another as one message of small
+tuples (a request's prompt ids only with its first piece, its timings only with its last), with
+a snapshot of the engine's counters for /metrics. A reader thread hands each message to the loop
+in one `call_soon_threadsafe`. Requests the engine refuses come back as their ValueError or
+TypeError before any work; if the engine process dies (a step raised, or it was killed), every
+request in flight gets EngineDead and the server reports itself unhealthy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
+import multiprocessing
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from weft.inference.chat import chat_prompt
-from weft.inference.engine import LLMEngine
-from weft.inference.outputs import RequestOutput
+from weft.inference.config import EngineConfig
+from weft.inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from weft.inference.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.5  # how long an idle engine thread blocks on its queue before looking at `stopping` again
+IDLE_WAIT_S = 0.5  # how long an idle engine process waits on its pipe before waiting again
+STOP_WAIT_S = 30.0
 
 
 class QueueFull(Exception):
@@ -33,80 +35,112 @@ class QueueFull(Exception):
 
 
 class EngineDead(Exception):
-    """The engine loop has stopped: a step raised, or the server is shutting down."""
+    """The engine process has stopped: a step raised, it was killed, or the server is shutting down."""
 
 
 @dataclass(frozen=True)
 class Conversation:
-    """A chat's messages, rendered through the chat template on the engine thread (the tokenizer's only user)."""
+    """A chat's messages, rendered through the chat template in the engine process (the tokenizer's home)."""
 
     messages: object
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt: object
-    params: SamplingParams
-    label: str  # names the request in the engine's errors, in the client's terms ("prompt 1", "messages")
-    stream: asyncio.Queue  # RequestOutput pieces, then None; or an exception
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine process reports once its engine is built."""
+
+    model_name: str
+    max_model_len: int
+    num_blocks: int
 
 
-@dataclass
-class _Abort:
-    request_id: str
+@dataclass(frozen=True)
+class EngineStatsSnapshot:
+    """The engine's gauges and counters as of its last message (GET /metrics)."""
+
+    running: int = 0
+    waiting: int = 0
+    blocks_used: int = 0
+    blocks_total: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+
+
+# A piece of one request's output, as the engine process sends it:
+# (request id, new token ids, new text, finish reason, stop reason, prompt ids | None, metrics | None),
+# or (request id, exception) for a request the engine refused.
+Piece = tuple
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None) -> None:
-        self.engine = engine
+    def __init__(self, config: EngineConfig, max_queued_requests: int | None = None) -> None:
+        """Start the engine process and wait until its engine is built (ValueError if it cannot be)."""
         self.max_queued_requests = max_queued_requests
-        self.commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self.streams: dict[str, asyncio.Queue] = {}  # touched on the event loop only
-        self.queued = 0  # requests sent to the engine thread and not yet admitted or finished (loop side)
-        self.dead: BaseException | None = None
+        spawn = multiprocessing.get_context("spawn")  # CUDA cannot be forked; the child starts clean
+        commands_out, self._commands_in = spawn.Pipe(duplex=False)
+        self._outputs_out, outputs_in = spawn.Pipe(duplex=False)
+        self.process = spawn.Process(target=engine_main, args=(config, commands_out, outputs_in),
+                                     name="weft-engine", daemon=True)
+        self.process.start()
+        commands_out.close()
+        outputs_in.close()
+        try:
+            first = self._outputs_out.recv()
+        except EOFError:
+            first = f"the engine process exited with {self.process.exitcode} before its engine was built"
+        if not isinstance(first, EngineInfo):
+            self.process.join(STOP_WAIT_S)
+            raise ValueError(first)
+        self.info = first
+        self.stats = EngineStatsSnapshot(blocks_total=first.num_blocks)
+        self.streams: dict[str, asyncio.Queue] = {}  # the event loop's alone
+        self.prompts: dict[str, list[int]] = {}  # each streaming request's prompt ids, from its first piece
+        self.sent = 0  # requests sent to the engine and not yet seen there (loop side)
+        self.dead: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread: threading.Thread | None = None
+        self._send_lock = threading.Lock()
 
     # ---- the event loop's side ------------------------------------------------------------------
 
     def start(self) -> None:
+        """Begin delivering outputs into the running event loop."""
         self.loop = asyncio.get_running_loop()
-        self.thread = threading.Thread(target=self._run, name="weft-engine", daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._read, name="weft-engine-reader", daemon=True).start()
 
     def stop(self) -> None:
-        self.commands.put(None)
-        if self.thread is not None:
-            self.thread.join()
+        self.dead = "the server stopped it"
+        self._send(None)
+        self.process.join(STOP_WAIT_S)
+        if self.process.is_alive():
+            self.process.kill()
 
     @property
     def running(self) -> bool:
-        return self.thread is not None and self.thread.is_alive() and self.dead is None
+        return self.dead is None and self.process.is_alive()
 
     async def generate(
         self, request_id: str, prompt: object, params: SamplingParams, label: str = "prompt"
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine makes them (`params.output_kind` says what each holds).
+        """The request's outputs as the engine makes them (DELTA: each holds its step's new tokens).
 
         The first `__anext__` raises the engine's own ValueError / TypeError for a request it refuses,
         QueueFull or EngineDead. Leaving the iteration early (a client gone) aborts the request.
         """
         if not self.running:
-            raise EngineDead("the engine loop is not running")
-        waiting = len(self.engine.scheduler.waiting) + self.queued
+            raise EngineDead(f"the engine process is not running: {self.dead}")
+        waiting = self.stats.waiting + self.sent
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
             raise QueueFull(f"{waiting} requests are waiting, the most this server queues (--max-queued-requests)")
         stream: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = stream
-        self.queued += 1
-        self.commands.put(_Add(request_id, prompt, params, label, stream))
+        self.sent += 1
+        self._send(("add", request_id, prompt, params, label))
         finished = False
         try:
             while True:
                 item = await stream.get()
-                if item is None:
-                    return
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -115,66 +149,123 @@ class AsyncEngine:
                     return
         finally:
             self.streams.pop(request_id, None)
-            if not finished:
-                self.commands.put(_Abort(request_id))
+            self.prompts.pop(request_id, None)
+            if not finished and self.running:
+                self._send(("abort", request_id))
 
-    def _deliver(self, pieces: list[tuple[str, object]]) -> None:
-        """On the loop: each (request id, output or exception or None) into its request's stream."""
-        for request_id, item in pieces:
-            stream = self.streams.get(request_id)
-            if stream is not None:
-                stream.put_nowait(item)
-
-    def _admitted(self, count: int) -> None:
-        self.queued -= count
-
-    # ---- the engine thread ----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while self._take_commands(block=not engine.has_unfinished_requests()):
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    if outputs:
-                        self.loop.call_soon_threadsafe(self._deliver, [(o.request_id, o) for o in outputs])
-        except BaseException as e:  # a step raised: the engine's state is no longer trusted
-            logger.exception("the engine loop died")
-            self.dead = e
-            self.loop.call_soon_threadsafe(self._fail_all, EngineDead(f"the engine loop died: {type(e).__name__}: {e}"))
-
-    def _take_commands(self, block: bool) -> bool:
-        """Run every command waiting, the first awaited (a while) when `block`; False: stop the loop."""
-        try:
-            command = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
-        except queue.Empty:
-            return True
-        while self._handle(command):
+    def _send(self, command: object) -> None:
+        with self._send_lock:  # the loop and stop() may both send
             try:
-                command = self.commands.get_nowait()
-            except queue.Empty:
-                return True
-        return False
+                self._commands_in.send(command)
+            except (BrokenPipeError, OSError):
+                pass  # the engine is gone; the reader reports it
 
-    def _handle(self, command: _Add | _Abort | None) -> bool:
-        """Run one command on the engine thread; False: stop the loop."""
-        loop = self.loop
-        if command is None:
-            return False
-        if isinstance(command, _Abort):
-            self.engine.abort_request(command.request_id)
-            return True
-        engine = self.engine
+    def _deliver(self, message: tuple[list[Piece], EngineStatsSnapshot, int]) -> None:
+        """On the loop: each piece into its request's stream, as a RequestOutput."""
+        pieces, self.stats, admitted = message
+        self.sent -= admitted
+        for piece in pieces:
+            stream = self.streams.get(piece[0])
+            if stream is None:
+                continue
+            if len(piece) == 2:
+                stream.put_nowait(piece[1])
+                continue
+            rid, token_ids, text, finish_reason, stop_reason, prompt_ids, metrics = piece
+            if prompt_ids is not None:
+                self.prompts[rid] = prompt_ids
+            completion = CompletionOutput(0, text, token_ids, finish_reason, stop_reason)
+            finished = finish_reason is not None
+            stream.put_nowait(RequestOutput(rid, None, self.prompts.get(rid, []), [completion], finished,
+                                            metrics if metrics is not None else _NO_METRICS))
+
+    def _die(self, reason: str) -> None:
+        """On the loop: the engine is gone; every request still streaming gets EngineDead."""
+        self.dead = reason
+        for stream in list(self.streams.values()):
+            stream.put_nowait(EngineDead(f"the engine process died: {reason}"))
+
+    def _read(self) -> None:
+        """The reader thread: the engine's messages into the loop, until the pipe closes."""
+        while True:
+            try:
+                message = self._outputs_out.recv()
+            except (EOFError, OSError):
+                self.process.join(1.0)
+                reason = f"it exited with {self.process.exitcode}"
+                break
+            if isinstance(message, str):  # the engine's last words
+                reason = message
+                break
+            self.loop.call_soon_threadsafe(self._deliver, message)
+        if self.dead is not None:  # stopped on purpose
+            return
+        logger.error("the engine process died: %s", reason)
         try:
-            prompt = command.prompt
-            if isinstance(prompt, Conversation):
-                prompt = chat_prompt(engine.tokenizer, prompt.messages, engine.model_name)
-            engine.enqueue(engine.make_request(command.request_id, prompt, command.params, label=command.label))
-        except (ValueError, TypeError) as e:  # the engine refused it before any work
-            loop.call_soon_threadsafe(self._deliver, [(command.request_id, e)])
-        loop.call_soon_threadsafe(self._admitted, 1)
-        return True
+            self.loop.call_soon_threadsafe(self._die, reason)
+        except RuntimeError:  # the event loop is gone too
+            pass
 
-    def _fail_all(self, error: EngineDead) -> None:
-        """On the loop: every request still streaming gets the error."""
-        self._deliver([(rid, error) for rid in list(self.streams)])
+
+_NO_METRICS = RequestMetrics(0.0)  # pieces before the last carry no timings
+
+
+# ---- the engine process -----------------------------------------------------------------------------
+
+
+def engine_main(config: EngineConfig, commands, outputs) -> None:
+    """The engine process: build the engine, then run commands and steps until told to stop."""
+    from weft.inference.chat import chat_prompt
+    from weft.inference.engine import LLMEngine
+
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:  # noqa: BLE001 (whatever it is, the server must say it and exit)
+        outputs.send(f"{type(e).__name__}: {e}")
+        return
+    outputs.send(EngineInfo(engine.model_name, engine.config.max_model_len, engine.pool.num_blocks))
+    started: set[str] = set()  # requests whose prompt ids went out with their first piece
+    try:
+        while True:
+            if not engine.has_unfinished_requests() and not commands.poll(IDLE_WAIT_S):
+                continue
+            pieces: list[Piece] = []
+            admitted = 0
+            while commands.poll():
+                command = commands.recv()
+                if command is None:
+                    return
+                if command[0] == "abort":
+                    engine.abort_request(command[1])
+                    started.discard(command[1])
+                    continue
+                _, rid, prompt, params, label = command
+                admitted += 1
+                try:
+                    if isinstance(prompt, Conversation):
+                        prompt = chat_prompt(engine.tokenizer, prompt.messages, engine.model_name)
+                    engine.enqueue(engine.make_request(rid, prompt, params, label=label))
+                except (ValueError, TypeError) as e:  # refused before any work
+                    pieces.append((rid, e))
+            if engine.has_unfinished_requests():
+                for out in engine.step():
+                    c = out.outputs[0]
+                    first = out.request_id not in started
+                    started.add(out.request_id)
+                    if out.finished:
+                        started.discard(out.request_id)
+                    pieces.append((out.request_id, c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                                   out.prompt_token_ids if first else None, out.metrics if out.finished else None))
+            outputs.send((pieces, _snapshot(engine), admitted))
+    except BaseException as e:  # noqa: BLE001 (a step raised: the engine's state is no longer trusted)
+        logger.exception("the engine process is stopping: a step raised")
+        outputs.send(f"{type(e).__name__}: {e}")
+
+
+def _snapshot(engine) -> EngineStatsSnapshot:
+    scheduler, stats = engine.scheduler, engine.stats
+    blocks = scheduler.blocks
+    return EngineStatsSnapshot(
+        len(scheduler.running), len(scheduler.waiting), blocks.num_blocks - blocks.num_free, blocks.num_blocks,
+        stats.num_preemptions, stats.prefill_tokens, stats.decode_tokens, stats.steps,
+    )

@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (GET /metrics), vLLM's names under a `weft:` prefix.
 
-Gauges and counters are read from the engine when scraped; the latency histograms are fed as
-each request finishes, from the instants its RequestMetrics holds.
+Gauges and counters come from the engine process's latest snapshot when scraped; the latency
+histograms are fed as each request finishes, from the instants its RequestMetrics holds.
 """
 
 from __future__ import annotations
@@ -12,30 +12,29 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from weft.inference.engine import LLMEngine
 from weft.inference.outputs import RequestOutput
+from weft.serve.async_engine import AsyncEngine
 
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        scheduler, stats = self.engine.scheduler, self.engine.stats
-        blocks = scheduler.blocks
+        s = self.engine.stats
         gauges = {
-            "num_requests_running": ("Requests in the running batch.", len(scheduler.running)),
-            "num_requests_waiting": ("Requests waiting to be scheduled.", len(scheduler.waiting)),
-            "kv_blocks_used": ("KV pool blocks held by requests.", blocks.num_blocks - blocks.num_free),
-            "kv_blocks_total": ("KV pool blocks (N).", blocks.num_blocks),
+            "num_requests_running": ("Requests in the running batch.", s.running),
+            "num_requests_waiting": ("Requests waiting to be scheduled.", s.waiting),
+            "kv_blocks_used": ("KV pool blocks held by requests.", s.blocks_used),
+            "kv_blocks_total": ("KV pool blocks (N).", s.blocks_total),
         }
         counters = {
-            "num_preemptions": ("Requests preempted (recomputed later).", stats.num_preemptions),
-            "prompt_tokens": ("Prefill tokens computed.", stats.prefill_tokens),
-            "generation_tokens": ("Decode tokens computed.", stats.decode_tokens),
-            "engine_steps": ("Engine steps run.", stats.steps),
+            "num_preemptions": ("Requests preempted (recomputed later).", s.preemptions),
+            "prompt_tokens": ("Prefill tokens computed.", s.prompt_tokens),
+            "generation_tokens": ("Decode tokens computed.", s.generation_tokens),
+            "engine_steps": ("Engine steps run.", s.steps),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"weft:{name}", doc, value)
@@ -44,7 +43,7 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine))
         hist = {"buckets": LATENCY_BUCKETS_S, "registry": self.registry}
