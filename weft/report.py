@@ -74,8 +74,9 @@ TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns
     "e7": (["config", "steps"], ["itl_p50_s"]),
     "e8": (["config"], ["ttft_p50_s", "itl_p50_s", "e2e_p50_s", "makespan_s", "input_tok_s", "output_tok_s",
                         "peak_mem_bytes", "incomplete_requests"]),
-    "e9": (["server", "config", "request_rate"], ["median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-                                                  "median_itl_ms", "output_tok_s", "request_goodput"]),
+    "e9": (["server", "config", "workload", "request_rate"],
+           ["median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_tok_s",
+            "request_goodput"]),
 }
 COMPARED = ["output_tok_s", "makespan_s", "ttft_p50_s", "itl_p50_s", "gbps", "time_s"]
 
@@ -152,11 +153,39 @@ def serving_notes(df: pd.DataFrame) -> list[str]:
     offline = df[df["server"] == "offline"]
     at_inf = df[(df["server"] != "offline") & (df["request_rate"] == float("inf"))]
     for r in at_inf.sort_values(["server", "config"]).itertuples():
-        base = offline.loc[offline["config"] == r.config, "output_tok_s"]
+        base = offline[(offline["config"] == r.config) & _same_workload(offline, r)]["output_tok_s"]
         if len(base) == 1:
             notes.append(f"{r.server} ({r.config}) at rate inf ÷ offline, output tok/s: {r.output_tok_s:,.0f} ÷"
                          f" {base.iloc[0]:,.0f} = {r.output_tok_s / base.iloc[0]:.2f}×.")
+    notes += goodput_ratios(df[df["server"] != "offline"])
     return notes
+
+
+def _same_workload(df: pd.DataFrame, record: object) -> pd.Series:
+    """Rows of `df` on `record`'s workload (every row, where records do not name one)."""
+    if "workload" not in df or pd.isna(getattr(record, "workload", None)):
+        return pd.Series(True, index=df.index)
+    return df["workload"] == record.workload
+
+
+def goodput_ratios(served: pd.DataFrame) -> list[str]:
+    """weft's goodput over a peer server's, rate by rate, where both served the same workload."""
+    if "request_goodput" not in served or served["server"].nunique() < 2:
+        return []
+    weft = served[served["engine"] == "weft"]
+    lines = []
+    for (server, config), peer in served[served["engine"] != "weft"].groupby(["server", "config"]):
+        cells = []
+        for p in peer.sort_values("request_rate").itertuples():
+            w = weft[(weft["request_rate"] == p.request_rate) & _same_workload(weft, p)]
+            if len(w) != 1:
+                continue
+            ours, theirs = w["request_goodput"].iloc[0], p.request_goodput
+            ratio = f"{ours / theirs:.1f}×" if theirs else ("∞ (the peer's is 0)" if ours else "– (both 0)")
+            cells.append(f"{p.request_rate:g} req/s: {ours:.2f} ÷ {theirs:.2f} = {ratio}")
+        if cells:
+            lines.append(f"goodput, weft ({weft['config'].iloc[0]}) ÷ {server} ({config}): " + "; ".join(cells) + ".")
+    return lines
 
 
 NOTES: dict[str, Callable[[pd.DataFrame], list[str]]] = {"e4": clock_notes, "e9": serving_notes}

@@ -378,3 +378,32 @@ def test_profiled_kernels_are_named_short_and_summed_by_name():
 )
 def test_short_names_of_real_profiler_keys(op, short):
     assert charts.short_name(op) == short
+
+
+def test_e9_pairs_by_workload_and_sets_weft_beside_the_peer(tmp_path):
+    """The curve (workload e9) at each rate for weft and the peer; HTTP's cost from the standard workload
+    at rate inf against offline on that workload; goodput ratios rate by rate."""
+    on = {"workload": "e9"}
+    rows = [
+        serving("e9", "continuous×triton", server="offline", request_rate="inf", output_tok_s=1000.0,
+                name="test_e9_offline[triton]", workload="standard"),
+        served("inf", 950.0, name="test_e9_standard_at_rate_inf[triton]", workload="standard"),
+        served(4.0, 200.0, request_goodput=3.0, **on),
+        served("inf", 400.0, request_goodput=0.5, **on),
+        served(4.0, 20.0, request_goodput=0.25, server="transformers serve", config="hf_serve", engine="hf_serve",
+               name="test_e9_peer_curve[rate4]", **on),
+        served("inf", 30.0, request_goodput=0.0, server="transformers serve", config="hf_serve", engine="hf_serve",
+               name="test_e9_peer_curve[rateinf]", **on),
+    ]
+    write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", rows, "2026-11-29T10:00:00")
+    assert run_report(tmp_path) == 0
+    e9 = (tmp_path / "out" / "README.md").read_text().split("## e9: serving over HTTP")[1]
+    assert "weft serve (continuous×triton) at rate inf ÷ offline, output tok/s: 950 ÷ 1,000 = 0.95×." in e9
+    assert "400 ÷ 1,000" not in e9  # the curve's rate inf served other requests than offline did
+    assert ("goodput, weft (continuous×triton) ÷ transformers serve (hf_serve): 4 req/s: 3.00 ÷ 0.25 = 12.0×; "
+            "inf req/s: 0.50 ÷ 0.00 = ∞ (the peer's is 0).") in e9
+    fig = charts.figure("e9", gather([], [], tmp_path / "results").records(), "NVIDIA H200")
+    legend = {t.get_text() for t in fig.axes[2].get_legend().get_texts()}
+    assert {"weft serve (continuous×triton)", "transformers serve (hf_serve)"} <= legend
+    drawn = {float(y) for line in fig.axes[2].get_lines() for y in line.get_ydata()}
+    assert {200.0, 400.0, 20.0, 30.0} <= drawn and 950.0 not in drawn  # the standard workload's point is not

@@ -70,10 +70,10 @@ class Sizes:
     e7_new_tokens: int
     e8_requests: int  # the standard workload: 256 requests, lengths U[100, 1024]
     e8_lengths: tuple[int, int]
-    e9_attentions: tuple[str, ...]  # continuous-scheduler servers whose latency-throughput curve is drawn
-    e9_requests: int
-    e9_lengths: tuple[int, int]  # prompt and output lengths, each uniform in this range
-    e9_rates: tuple[float, ...]  # requests per second (inf: all at once)
+    e9_attentions: tuple[str, ...]  # continuous-scheduler weft servers whose latency-throughput curve is drawn
+    e9_requests: int  # the curve's requests (its rate-inf check of what HTTP costs serves e8's workload)
+    e9_lengths: tuple[int, int]  # the curve's prompt and output lengths, each uniform in this range
+    e9_rates: tuple[float, ...]  # requests per second (inf: all at once), for weft and the peer alike
     e9_goodput_ms: dict[str, float]  # SLOs of the goodput: ttft, tpot
     hf_batch_size: int | None  # hf_generate's padded batch on e8 (None: all requests in one)
     hf_cb_config: dict | None  # ContinuousBatchingConfig fields for hf_generate_batch (None: its defaults)
@@ -109,9 +109,10 @@ CUDA_SIZES = Sizes(
     e8_requests=256,
     e8_lengths=(100, 1024),
     e9_attentions=("triton",),
-    e9_requests=256,  # the standard workload, as e8's
+    # 64 requests: the peer (HF's server, ~0.7k output tok/s) takes about a minute at each rate
+    e9_requests=64,
     e9_lengths=(100, 1024),
-    e9_rates=(4.0, 8.0, 16.0, 32.0, 64.0, float("inf")),
+    e9_rates=(1.0, 2.0, 4.0, 8.0, 16.0, float("inf")),
     e9_goodput_ms={"ttft": 500.0, "tpot": 50.0},
     # One padded batch of 256 costs about as many steps as one of 64 (the longest output sets both).
     hf_batch_size=None,

@@ -1,10 +1,11 @@
-"""e9: `weft serve` under load over HTTP, timed on the client (`weft bench serve`'s conventions).
+"""e9: serving over HTTP, timed on the client (`weft bench serve`'s conventions), weft beside HF's server.
 
-A latency-throughput curve per server: the same requests (prompt and output lengths uniform in a
-range, token-id prompts, ignore_eos, greedy, streamed) at each request rate, Poisson arrivals in
-seconds; TTFT, TPOT, ITL, E2E, throughput and goodput under the SLOs. The offline case serves the
-same requests from the same engine options through the engine directly (what `LLM.generate` does):
-at rate inf, the server's output tok/s over it is what HTTP costs.
+- The curve: the same requests (prompt and output lengths uniform in a range, greedy, streamed,
+  every one to its max_tokens) at each request rate, Poisson arrivals in seconds, against
+  `weft serve` and against `transformers serve` (HF's continuous batching) on the very same
+  weights; TTFT, TPOT, ITL, E2E, throughput and goodput under the SLOs.
+- What HTTP costs: the standard workload at rate inf through `weft serve`, and the same engine
+  options serving it offline (through the engine directly, as LLM.generate does).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import math
 
 import pytest
 
-from tests.serve.servers import weft_server
-from weft.benchmark import workloads
+from tests.serve.servers import child_env, free_port, live, weft_server
+from weft.benchmark import peer, workloads
 from weft.benchmark.environment import device_name, git_sha
 from weft.benchmark.runner import RunConfig
 from weft.benchmark.serving import run
@@ -24,55 +25,99 @@ pytestmark = pytest.mark.perf
 
 
 @pytest.fixture(scope="module")
-def e9_workload(sizes, model_for):
-    vocab = model_for(sizes.model, sizes.dtype).config.vocab_size
-    return workloads.standard(vocab, sizes.e9_requests, sizes.e9_lengths)
+def vocab(sizes, model_for) -> int:
+    return model_for(sizes.model, sizes.dtype).config.vocab_size
 
 
-def server_args(config: RunConfig, workload: workloads.Workload, sizes, device) -> list[str]:
-    """The engine options the offline case uses (WeftServer's), as `weft serve` flags."""
-    P = config.block_size
-    return [
-        sizes.model, "--attention", config.attention, "--scheduler", config.scheduler, "--block-size", str(P),
-        "--num-blocks", str(workload.blocks_needed(P)), "--max-num-seqs", str(len(workload)),
-        "--max-num-batched-tokens", str(workload.input_tokens), "--max-model-len", str(workload.max_len),
-        "--dtype", sizes.dtype, "--device", device.type, "--served-model-name", "e9",
-    ]  # fmt: skip
+@pytest.fixture(scope="module")
+def e9_curve(sizes, vocab) -> workloads.Workload:
+    return workloads.uniform(sizes.e9_requests, sizes.e9_lengths, sizes.e9_lengths, vocab, seed=0, name="e9")
 
 
-def test_e9_offline(run_benchmark, sizes, e9_workload, e9_attention):
-    run_benchmark("e9", RunConfig(attention=e9_attention), e9_workload, model=sizes.model, server="offline",
+@pytest.fixture(scope="module")
+def e9_standard(sizes, vocab) -> workloads.Workload:
+    return workloads.standard(vocab, sizes.e8_requests, sizes.e8_lengths)
+
+
+def serve(url: str, model: str, workload: workloads.Workload, rate: float, sizes, prompt_format: str) -> dict:
+    result = asyncio.run(run(url, model, workload.requests, request_rate=rate, goodput=sizes.e9_goodput_ms,
+                             prompt_format=prompt_format))
+    assert result["failed"] == 0, result["errors"]
+    assert result["total_output_tokens"] == workload.output_tokens
+    return result
+
+
+def record(benchmark, result: dict, workload: workloads.Workload, sizes, device, **identity: object) -> None:
+    rate = result["request_rate"]
+    benchmark.extra_info.update({
+        "experiment": "e9", **identity, "model": sizes.model, "dtype": sizes.dtype, "gpu": device_name(device),
+        "git_sha": git_sha(), "workload": workload.name, "requests": len(workload),
+        "output_tok_s": result["output_throughput"], "makespan_s": result["duration_s"],
+        **{k: v for k, v in result.items() if k != "errors"}, "request_rate": rate,
+    })  # fmt: skip
+
+
+# ---- weft ---------------------------------------------------------------------------------------------
+
+
+def weft_identity(config: RunConfig) -> dict[str, object]:
+    return {"config": config.label, "engine": "weft", "scheduler": config.scheduler, "attention": config.attention,
+            "block_size": config.block_size}
+
+
+def test_e9_offline(run_benchmark, sizes, e9_standard, e9_attention):
+    run_benchmark("e9", RunConfig(attention=e9_attention), e9_standard, model=sizes.model, server="offline",
                   request_rate="inf")
 
 
 @pytest.fixture(scope="module")
-def e9_server(e9_attention, sizes, e9_workload, device):
+def e9_server(e9_attention, sizes, e9_standard, e9_curve, device):
+    """`weft serve` with the offline case's engine options (WeftServer's, for the standard workload,
+    which also holds the curve's requests)."""
     config = RunConfig(attention=e9_attention)
     if config.attention == "triton" and device.type != "cuda":
         pytest.skip("triton attention does not serve on cpu")
-    with weft_server(*server_args(config, e9_workload, sizes, device)) as url:
-        # a warm-up of the same shapes: compiles kernels, as the offline case's warm-up does
-        short = e9_workload.with_max_tokens(2)
-        asyncio.run(run(url, "e9", short.requests))
+    w, P = e9_standard, config.block_size
+    with weft_server(
+        sizes.model, "--attention", config.attention, "--scheduler", config.scheduler, "--block-size", str(P),
+        "--num-blocks", str(w.blocks_needed(P)), "--max-num-seqs", str(len(w)),
+        "--max-num-batched-tokens", str(w.input_tokens), "--max-model-len", str(max(w.max_len, e9_curve.max_len)),
+        "--dtype", sizes.dtype, "--device", device.type, "--served-model-name", "e9",
+    ) as url:  # fmt: skip
+        asyncio.run(run(url, "e9", w.with_max_tokens(2).requests))  # warm-up: compiles kernels, as offline's does
         yield config, url
 
 
-def test_e9_serving(benchmark, sizes, e9_workload, e9_server, e9_rate, device):
+def test_e9_standard_at_rate_inf(benchmark, sizes, e9_standard, e9_server, device):
     config, url = e9_server
-    rate = e9_rate
+    result = benchmark.pedantic(serve, args=(url, "e9", e9_standard, math.inf, sizes, "token_ids"), rounds=1)
+    record(benchmark, result, e9_standard, sizes, device, server="weft serve", **weft_identity(config))
 
-    def serve() -> dict:
-        return asyncio.run(run(url, "e9", e9_workload.requests, request_rate=rate, goodput=sizes.e9_goodput_ms))
 
-    result = benchmark.pedantic(serve, rounds=1, iterations=1, warmup_rounds=0)
-    assert result["failed"] == 0, result["errors"]
-    assert result["total_output_tokens"] == e9_workload.output_tokens
-    benchmark.extra_info.update({
-        "experiment": "e9", "config": config.label, "engine": "weft", "server": "weft serve",
-        "scheduler": config.scheduler, "attention": config.attention, "block_size": config.block_size,
-        "model": sizes.model, "dtype": sizes.dtype, "gpu": device_name(device), "git_sha": git_sha(),
-        "workload": e9_workload.name, "requests": len(e9_workload),
-        "output_tok_s": result["output_throughput"], "makespan_s": result["duration_s"],
-        **{k: v for k, v in result.items() if k not in ("request_rate", "errors")},
-        "request_rate": rate if math.isfinite(rate) else "inf",
-    })  # fmt: skip
+def test_e9_weft_curve(benchmark, sizes, e9_curve, e9_server, e9_rate, device):
+    config, url = e9_server
+    result = benchmark.pedantic(serve, args=(url, "e9", e9_curve, e9_rate, sizes, "token_ids"), rounds=1)
+    record(benchmark, result, e9_curve, sizes, device, server="weft serve", **weft_identity(config))
+
+
+# ---- the peer -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def e9_peer(tmp_path_factory, sizes, e9_curve, device):
+    """`transformers serve` on the model's weights (weft.benchmark.peer), warmed up like weft's."""
+    from weft.inference.config import DTYPES
+
+    checkpoint = peer.write_checkpoint(sizes.model, DTYPES[sizes.dtype], tmp_path_factory.mktemp("peer"))
+    port = free_port()
+    proc = peer.start_server(checkpoint, port, device.type, sizes.dtype, sizes.hf_cb_config, env=child_env())
+    with live(proc, port) as url:
+        asyncio.run(run(url, str(checkpoint), e9_curve.with_max_tokens(2).requests, prompt_format="words"))
+        yield str(checkpoint), url
+
+
+def test_e9_peer_curve(benchmark, sizes, e9_curve, e9_peer, e9_rate, device):
+    model, url = e9_peer
+    result = benchmark.pedantic(serve, args=(url, model, e9_curve, e9_rate, sizes, "words"), rounds=1)
+    record(benchmark, result, e9_curve, sizes, device, server="transformers serve", config="hf_serve",
+           engine="hf_serve", scheduler="continuous", attention="hf")

@@ -30,14 +30,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def weft_server(*args: str) -> Iterator[str]:
-    """`python -m weft serve ARGS` on a free port -> its base URL (…/v1), once /health says 200."""
-    port = free_port()
-    path = os.pathsep.join(os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "weft", "serve", *args, "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": path},
-    )  # fmt: skip
+def live(proc: subprocess.Popen, port: int) -> Iterator[str]:
+    """A server process listening on 127.0.0.1:`port` -> its base URL (…/v1), once /health says 200;
+    terminated on exit."""
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc)
         yield f"http://127.0.0.1:{port}/v1"
@@ -47,6 +42,24 @@ def weft_server(*args: str) -> Iterator[str]:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment, its PYTHONPATH made absolute (a checkout run as `PYTHONPATH=.`)."""
+    path = os.pathsep.join(os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
+@contextmanager
+def weft_server(*args: str) -> Iterator[str]:
+    """`python -m weft serve ARGS` on a free port -> its base URL (…/v1)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weft", "serve", *args, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+    )  # fmt: skip
+    with live(proc, port) as url:
+        yield url
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None) -> None:

@@ -194,7 +194,13 @@ def e9(df: pd.DataFrame) -> Figure:
     output tokens/s (the offline engine's dashed across) and goodput against the request rate, a line
     per server and config, so a peer server shows up beside weft."""
     offline = df[df["server"] == "offline"]
-    served, ticks, labels = _rates(df[df["server"] != "offline"])
+    served = df[df["server"] != "offline"]
+    if "workload" in served and served["workload"].notna().any():
+        # the curve's workload: that of the finite rates (a rate-inf check on another workload is left out)
+        finite = served[served["request_rate"] != math.inf]
+        curve = (finite if len(finite) else served)["workload"].mode().iloc[0]
+        served = served[served["workload"] == curve]
+    served, ticks, labels = _rates(served)
     served = served.assign(server=served["server"] + " (" + served["config"] + ")")
     slos = served["goodput_slo_ms"].dropna() if "goodput_slo_ms" in served else pd.Series(dtype=object)
     slo = slos.iloc[0] if len(slos) and all(s == slos.iloc[0] for s in slos) else {}

@@ -1,10 +1,15 @@
 """`weft bench serve`: an HTTP load generator for OpenAI-compatible servers, in vLLM's terms.
 
-Requests (token-id prompts, `ignore_eos`, greedy, streamed) arrive at `request_rate` per second,
-with gamma-distributed gaps (`burstiness` 1: Poisson; below 1 burstier; rate inf: all at once),
-at most `max_concurrency` in flight. Everything is timed on the client: TTFT (send to first
-chunk), ITL (between chunks), TPOT ((E2E - TTFT) / (output tokens - 1)), E2E; goodput counts
-the requests per second that meet every SLO given. Light to import: no torch.
+Requests (greedy, streamed) arrive at `request_rate` per second, with gamma-distributed gaps
+(`burstiness` 1: Poisson; below 1 burstier; rate inf: all at once), at most `max_concurrency`
+in flight. Everything is timed on the client: TTFT (send to the first chunk with a token), ITL
+(between such chunks), TPOT ((E2E - TTFT) / (output tokens - 1)), E2E; goodput counts the
+requests per second that meet every SLO given. Light to import: no torch.
+
+Prompt formats: `token_ids` (vLLM's and weft's: the ids themselves, `ignore_eos`, usage and token
+ids in the stream) or `words` ("t5 t17 ...": text that a word-level tokenizer of "t<id>" words
+reads back as exactly those ids, for servers that take text only, such as `transformers serve`,
+given a checkpoint saved with one by weft.benchmark.peer and no EOS to stop at).
 """
 
 from __future__ import annotations
@@ -25,6 +30,18 @@ from weft.benchmark.workloads import Request, uniform
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")  # --goodput keys, in ms
+PROMPT_FORMATS = ("token_ids", "words")
+
+
+def payload(model: str, request: Request, prompt_format: str) -> dict[str, object]:
+    """The JSON body of one streamed, greedy completion in `prompt_format`."""
+    body: dict[str, object] = {"model": model, "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True}
+    if prompt_format == "words":
+        return body | {"prompt": " ".join(f"t{t}" for t in request.prompt_token_ids)}
+    return body | {
+        "prompt": list(request.prompt_token_ids), "ignore_eos": True, "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }  # fmt: skip
 
 
 @dataclass
@@ -54,16 +71,15 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return [0.0] + [rng.gammavariate(burstiness, theta) for _ in range(n - 1)]
 
 
-async def send(session: aiohttp.ClientSession, url: str, model: str, request: Request) -> RequestRecord:
-    """One streamed completion; chunk instants taken as each arrives."""
+async def send(
+    session: aiohttp.ClientSession, url: str, model: str, request: Request, prompt_format: str = "token_ids"
+) -> RequestRecord:
+    """One streamed completion; the instant of each chunk that carries a token, taken as it arrives."""
     record = RequestRecord(prompt_len=len(request.prompt_token_ids))
-    payload = {
-        "model": model, "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
-        "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
     start = last = time.perf_counter()
+    events = 0
     try:
-        async with session.post(url, json=payload) as response:
+        async with session.post(url, json=payload(model, request, prompt_format)) as response:
             if response.status != 200:
                 record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return record
@@ -75,7 +91,9 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, request: Re
                     break
                 chunk = json.loads(body)
                 now = time.perf_counter()
-                if chunk.get("choices"):
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                if choice.get("text") or choice.get("token_ids"):
+                    events += 1
                     if record.ttft_s is None:
                         record.ttft_s = now - start
                     else:
@@ -85,6 +103,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, request: Re
                     record.output_len = chunk["usage"]["completion_tokens"]
                 if chunk.get("error"):
                     record.error = chunk["error"].get("message", "error")
+        record.output_len = record.output_len or events
         record.e2el_s = last - start
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
         record.error = f"{type(e).__name__}: {e}"
@@ -101,8 +120,11 @@ async def run(
     num_warmups: int = 0,
     seed: int = 0,
     goodput: dict[str, float] | None = None,
+    prompt_format: str = "token_ids",
 ) -> dict[str, object]:
     """Serve `requests` against `base_url` (…/v1); -> vLLM-style results (latencies in ms)."""
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"unknown prompt format {prompt_format!r}: choose from {', '.join(PROMPT_FORMATS)}")
     url = base_url.rstrip("/") + "/completions"
     limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
@@ -111,7 +133,7 @@ async def run(
 
         async def bounded(request: Request) -> RequestRecord:
             async with limit:
-                return await send(session, url, model, request)
+                return await send(session, url, model, request, prompt_format)
 
         if num_warmups:
             await asyncio.gather(*(bounded(requests[i % len(requests)]) for i in range(num_warmups)))
@@ -206,6 +228,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-warmups", type=int, default=0, help="requests sent and not timed first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="token_ids",
+                        help="token_ids (default), or words for a server that takes text (see the module's docstring)")
     parser.add_argument("--result-file", help="write the results as JSON here")
 
 
@@ -218,7 +242,7 @@ def main(args: argparse.Namespace) -> int:
     workload = uniform(args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.vocab_size, args.seed,
                        "bench-serve")
     result = asyncio.run(run(args.base_url, args.model, workload.requests, args.request_rate, args.burstiness,
-                             args.max_concurrency, args.num_warmups, args.seed, slos))
+                             args.max_concurrency, args.num_warmups, args.seed, slos, args.prompt_format))
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(result, f, indent=2)
