@@ -47,11 +47,13 @@ class Case:
     scheduler: str
     pool: str = "full"  # "full": every request fits at once; "small": forces preemptions
     midflight: bool = False  # requests arrive at staggered ticks
+    budget: int | None = None  # max_num_batched_tokens: prompts prefilled in chunks of at most this many
 
     @property
     def label(self) -> str:
-        extra = [s for s, on in (("midflight", self.midflight), ("small-pool", self.pool == "small")) if on]
-        return "/".join([self.attention, self.scheduler, *extra])
+        flags = (("midflight", self.midflight), ("small-pool", self.pool == "small"),
+                 (f"chunks-of-{self.budget}", self.budget is not None))
+        return "/".join([self.attention, self.scheduler, *(name for name, on in flags if on)])
 
 
 @dataclass
@@ -81,13 +83,18 @@ class CaseResult:
         return not self.problems and all(p.divergence is None for p in self.prompts)
 
 
+CHUNK = 5  # with blocks of 4 tokens (run_case's), chunks end mid-block
+
+
 def standard_cases(device: torch.device | str) -> list[Case]:
-    """Every backend x scheduler usable on `device`, then mid-flight and small-pool runs on paged layouts."""
+    """Every backend x scheduler usable on `device`, each with prompts in chunks too; then mid-flight,
+    small-pool (preemptions, also of half-prefilled requests) and one-token-chunk runs on paged layouts."""
     backends = available_backends(device)
-    cases = [Case(a, s) for a in backends for s in SCHEDULERS]
+    cases = [Case(a, s, budget=b) for a in backends for s in SCHEDULERS for b in (None, CHUNK)]
     for a in backends:
         if a != "contiguous":
-            cases += [Case(a, "continuous", midflight=True), Case(a, "continuous", pool="small")]
+            cases += [Case(a, "continuous", midflight=True), Case(a, "continuous", pool="small"),
+                      Case(a, "continuous", pool="small", budget=CHUNK), Case(a, "continuous", budget=1)]
     return cases
 
 
@@ -135,8 +142,9 @@ def run_case(
     contiguous = case.attention == "contiguous"
     if case.pool == "small":
         # exactly the prompts' blocks (and at least the largest request's): the continuous scheduler
-        # admits every prompt, and the first sequence to outgrow its blocks forces a preemption
-        prompt_blocks = sum(cdiv(len(p), block_size) for p in prompts)
+        # admits every prompt, and the first sequence to outgrow its blocks forces a preemption; in
+        # chunks, prompts are admitted piece by piece, so the pool is the largest request's alone
+        prompt_blocks = sum(cdiv(len(p), block_size) for p in prompts) if case.budget is None else 0
         num_blocks = 2 if contiguous else max(*needs, prompt_blocks)
     else:
         num_blocks = len(prompts) if contiguous else sum(needs)
@@ -148,6 +156,7 @@ def run_case(
         num_blocks=num_blocks,
         block_size=block_size,
         max_model_len=longest if contiguous else None,
+        max_num_batched_tokens=case.budget,
         dtype=dtype,
         device=device,
     ) as llm:

@@ -198,3 +198,39 @@ def test_close_gives_the_card_back():
     assert abs(second.llm_engine.pool.num_blocks - blocks) <= 0.01 * blocks, (blocks, second.llm_engine.pool)
     del second  # dropping the last reference frees it too
     assert held() - before < leftover
+
+
+def test_chunked_prefill_shares_steps_with_running_decodes(tiny):
+    """A prompt longer than the step's budget is prefilled over several steps, each within the budget,
+    while a running request decodes at every one of them; both get HF's tokens all the same."""
+    llm, ref = tiny
+    device = llm.llm_engine.config.device
+    long_prompt = ref.prompts[2] * 2  # 60 tokens: at most 7 a step beside the decode
+    unchunked = llm.generate([long_prompt], greedy(4, ignore_eos=True))[0].outputs[0].token_ids
+    with LLM("tiny-llama", num_blocks=128, block_size=4, max_num_batched_tokens=8, device=device) as chunked:
+        engine = chunked.llm_engine
+        final = RequestOutputKind.FINAL_ONLY
+        engine.add_request("running", ref.prompts[0], greedy(ref.max_tokens, ignore_eos=True, output_kind=final))
+        engine.step()  # its 1-token prompt: it decodes from here on
+        engine.add_request("long", long_prompt, greedy(4, ignore_eos=True, output_kind=final))
+        computed, finals = [0], {}
+        while engine.has_unfinished_requests():
+            prefilling = "long" in engine.requests and engine.requests["long"].num_computed_tokens < len(long_prompt)
+            decoded = engine.requests["running"].num_computed_tokens if "running" in engine.requests else None
+            finals |= {o.request_id: o for o in engine.step()}
+            if prefilling:
+                computed.append(engine.requests["long"].num_computed_tokens if "long" in engine.requests else 60)
+                if decoded is not None and "running" in engine.requests:
+                    assert engine.requests["running"].num_computed_tokens == decoded + 1, "a prefill stalled it"
+        chunks = [b - a for a, b in zip(computed, computed[1:], strict=False)]
+        assert len(chunks) >= 8 and max(chunks) <= 7 and sum(chunks) == len(long_prompt)
+        assert finals["running"].outputs[0].token_ids == ref.expected[0]
+        assert finals["long"].outputs[0].token_ids == unchunked
+
+
+def test_without_chunked_prefill_a_prompt_must_fit_the_budget(device):
+    with LLM("tiny-llama", num_blocks=64, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=False,
+             device=device) as llm:
+        with pytest.raises(ValueError, match="has 9 tokens, more than max_num_batched_tokens=8"):
+            llm.generate([[1] * 9], greedy(2))
+        assert llm.generate([[1] * 8], greedy(2))[0].outputs[0].token_ids

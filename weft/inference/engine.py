@@ -50,7 +50,9 @@ class LLMEngine:
         attn = config.backend(source.config, self.pool.num_blocks, self.pool.block_size, config.torch_dtype, device)
         logger.info("%s: %s", source.name, self.pool.describe(config))
         blocks = BlockManager(self.pool.num_blocks, self.pool.block_size)
-        self.scheduler = SCHEDULERS[config.scheduler](blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = SCHEDULERS[config.scheduler](
+            blocks, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+        )
         graphs = None
         if device.type == "cuda" and attn.cuda_graphs and not config.enforce_eager:
             graphs = DecodeGraphs(self.model, attn, config.max_num_seqs, config.max_model_len)
@@ -93,9 +95,10 @@ class LLMEngine:
                 f"{label} has {len(ids)} tokens; the model's context (max_model_len) is {cfg.max_model_len}, "
                 "which must leave room for at least one new token"
             )
-        if len(ids) > cfg.max_num_batched_tokens:
+        if not cfg.enable_chunked_prefill and len(ids) > cfg.max_num_batched_tokens:
             raise ValueError(
-                f"{label} has {len(ids)} tokens, more than max_num_batched_tokens={cfg.max_num_batched_tokens}"
+                f"{label} has {len(ids)} tokens, more than max_num_batched_tokens={cfg.max_num_batched_tokens} "
+                "(with enable_chunked_prefill=False a prompt is prefilled in one step)"
             )
         max_tokens = params.max_tokens or cfg.max_model_len
         seq = Sequence(
@@ -161,10 +164,10 @@ class LLMEngine:
         for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = start
-            if seq.num_computed_tokens == 0:
-                self.stats.prefill_tokens += T
-            else:
+            if T == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:  # the newest token, sampled last step
                 self.stats.decode_tokens += T
+            else:
+                self.stats.prefill_tokens += T
             seq.num_computed_tokens += T
         outputs = []
         for seq, token in zip(sampled, tokens, strict=True):

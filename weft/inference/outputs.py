@@ -63,8 +63,8 @@ class EngineStats:
     """Counters over the engine's lifetime; `since` gives those of a stretch of it."""
 
     steps: int = 0
-    prefill_tokens: int = 0  # tokens computed in a request's first step after (re-)admission
-    decode_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens, in one step or in chunks, and tokens recomputed after a preemption
+    decode_tokens: int = 0  # each step's newest tokens: the ones sampled the step before
     num_preemptions: int = 0
     recomputed_tokens: int = 0  # tokens whose K/V was computed again after a preemption
 

@@ -2,9 +2,11 @@
 
 - static: a batch is admitted only when the previous one has fully finished; its blocks
   are reserved up front for the longest it can grow, so it never preempts.
-- continuous: iteration-level FCFS; running sequences decode first, then waiting ones are
-  admitted under the token budget; when the pool runs out the latest-admitted sequence is
-  preempted and later recomputed from its tokens.
+- continuous: iteration-level FCFS; running sequences first, then waiting ones are admitted
+  under the token budget; when the pool runs out the latest-admitted sequence is preempted
+  and later recomputed from its tokens.
+
+Both cut prefills into chunks under the step's token budget when chunked prefill is on.
 """
 
 from __future__ import annotations
@@ -29,17 +31,32 @@ class ScheduledBatch:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
 
+    def decodes_first(self) -> ScheduledBatch:
+        """The one-token requests first (a backend sends them to its decode kernel), the rest in order."""
+        order = sorted(range(len(self.seqs)), key=lambda i: self.num_new_tokens[i] != 1)
+        self.seqs = [self.seqs[i] for i in order]
+        self.num_new_tokens = [self.num_new_tokens[i] for i in order]
+        return self
+
     def __len__(self) -> int:
         return len(self.seqs)
 
 
 class Scheduler(ABC):
+    """`max_num_batched_tokens` is the step's token budget. With `chunked_prefill` every request's share
+    is cut to what the budget has left (a long prompt is prefilled over several steps, beside the
+    running decodes); without it a request always computes all it lacks, and the budget bounds only
+    admission."""
+
     name: str
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool
+    ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -58,35 +75,50 @@ class Scheduler(ABC):
     @abstractmethod
     def schedule(self) -> ScheduledBatch: ...
 
-    def _admit(self, seq: Sequence, reserve: int, batch: ScheduledBatch) -> None:
+    def _share(self, seq: Sequence, budget: int) -> int:
+        """New tokens for `seq` this step: all it lacks, cut to the budget left with chunked prefill."""
+        lacking = seq.num_tokens - seq.num_computed_tokens
+        return max(0, min(lacking, budget)) if self.chunked_prefill else lacking
+
+    def _admit(self, seq: Sequence, reserve: int) -> None:
         """Move the head of the queue to running, with blocks for `reserve` cache slots."""
         self.waiting.popleft()
         self.blocks.grow(seq, reserve)
         seq.status = Status.RUNNING
         self.running.append(seq)
-        batch.add(seq, seq.num_tokens - seq.num_computed_tokens)
 
 
 class StaticScheduler(Scheduler):
+    """A batch is admitted only when the last one has finished, its blocks reserved for the longest
+    each request can grow (it never preempts); without chunked prefill its prompts must fit the budget."""
+
     name = "static"
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        if self.running:
-            for seq in self.running:
-                batch.add(seq, 1)
-            return batch
         budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_tokens > budget or not self.blocks.can_hold(seq, seq.max_kv_tokens):
-                break
-            budget -= seq.num_tokens
-            self._admit(seq, seq.max_kv_tokens, batch)
-        return batch
+        if not self.running:
+            prompts = 0
+            while self.waiting and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                if not self.blocks.can_hold(seq, seq.max_kv_tokens):
+                    break
+                if not self.chunked_prefill and prompts + seq.num_tokens > budget:
+                    break
+                prompts += seq.num_tokens
+                self._admit(seq, seq.max_kv_tokens)
+        for seq in self.running:
+            T = self._share(seq, budget)
+            if T:
+                batch.add(seq, T)
+                budget -= T
+        return batch.decodes_first()
 
 
 class ContinuousScheduler(Scheduler):
+    """FCFS at every step: running requests first, then waiting ones while the budget, max_num_seqs and
+    the pool allow; when the pool runs out the latest admitted is preempted, to be recomputed."""
+
     name = "continuous"
 
     def schedule(self) -> ScheduledBatch:
@@ -95,7 +127,11 @@ class ContinuousScheduler(Scheduler):
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            need = seq.num_tokens  # the newest token's K/V is written this step
+            T = self._share(seq, budget)
+            if T == 0:  # the budget is spent: it waits a step
+                i += 1
+                continue
+            need = seq.num_computed_tokens + T  # the cache slots it covers once this step has written
             while not self.blocks.can_hold(seq, need):
                 victim = self.running.pop()  # latest admitted goes first
                 batch.preempted.append((victim, victim.num_computed_tokens))
@@ -104,20 +140,22 @@ class ContinuousScheduler(Scheduler):
                     break
             else:
                 self.blocks.grow(seq, need)
-                batch.add(seq, need - seq.num_computed_tokens)
-                budget -= need - seq.num_computed_tokens
+                batch.add(seq, T)
+                budget -= T
                 i += 1
         if batch.preempted:  # the pool is full: admitting now would only preempt again
-            return batch
+            return batch.decodes_first()
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            # a preempted sequence may have outgrown the budget; it still runs, alone
-            over_budget = seq.num_tokens > budget and len(batch) > 0
-            if over_budget or not self.blocks.can_hold(seq, seq.num_tokens):
+            T = self._share(seq, budget)
+            # without chunking a preempted sequence may have outgrown the budget; it still runs, alone
+            over_budget = T == 0 or (T > budget and len(batch) > 0)
+            if over_budget or not self.blocks.can_hold(seq, T):
                 break
-            budget -= seq.num_tokens
-            self._admit(seq, seq.num_tokens, batch)
-        return batch
+            budget -= T
+            self._admit(seq, T)
+            batch.add(seq, T)
+        return batch.decodes_first()
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
