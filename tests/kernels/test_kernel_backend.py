@@ -29,6 +29,7 @@ def backend_for(case: PagedCase) -> tuple[TritonBackend, torch.Tensor, torch.Ten
     returned as k/v [T_total, H_kv, D] for `forward` to write. Everything else is NaN."""
     N, P, H_kv, D = case.k_cache.shape
     backend = get_backend("triton")(model_config(case.q.shape[1], H_kv, D), N, P, case.q.dtype, case.q.device)
+    backend.check_steps = True  # every step checked, as WEFT_CHECK_STEPS=1 asks
     backend.kv_cache.fill_(float("nan"))
     slots = case.slot_mapping
     k_new, v_new = (c.flatten(0, 1)[slots].clone() for c in (case.k_cache, case.v_cache))
@@ -167,3 +168,13 @@ def test_rejects_slot_out_of_range(bad_case):
     slots[-1] = backend.num_blocks * backend.block_size
     with pytest.raises(ValueError, match="slot"):
         backend.prepare(replace(meta, slot_mapping=slots))
+
+
+def test_steps_are_checked_only_when_asked(bad_case, monkeypatch):
+    backend, _, _ = backend_for(bad_case)
+    calls = []
+    monkeypatch.setattr(backend, "check", lambda meta: calls.append(meta))
+    backend.prepare(bad_case.meta())
+    backend.check_steps = False  # the default: no host sync in the hot path
+    backend.prepare(bad_case.meta())
+    assert len(calls) == 1

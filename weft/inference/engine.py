@@ -117,8 +117,6 @@ class LLMEngine:
                 f"{label} needs {seq.max_kv_tokens} cache slots ({need} blocks of {blocks.block_size}); "
                 f"the pool has {blocks.num_blocks} blocks, so it could never run"
             )
-        if params.seed is not None and not params.greedy:
-            seq.generator = torch.Generator(cfg.device).manual_seed(params.seed)
         if self.tokenizer is not None and params.output_kind is not RequestOutputKind.FINAL_ONLY:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
         return seq

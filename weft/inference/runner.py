@@ -16,7 +16,7 @@ from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.inference.cuda_graphs import DecodeGraphs
 from weft.inference.scheduler import ScheduledBatch
 from weft.inference.sequence import Sequence
-from weft.layers.sampler import sample
+from weft.layers.sampler import MASK32, SamplingTensors, sample
 from weft.models.llama import LlamaForCausalLM
 
 
@@ -86,8 +86,29 @@ class ModelRunner:
         if not x.sampling:
             return [], []
         logits = self.model.logits(hidden[x.sample_rows])  # [B', V]
-        tokens = sample(logits, [s.params for s in x.sampling], [s.generator for s in x.sampling])
+        tokens = sample(logits, self.sampling_tensors(x.sampling))
         return x.sampling, tokens.tolist()
+
+    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors | None:
+        """The sampled rows' settings as tensors (None when every row is greedy)."""
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):
+            return None
+        V = self.model.cfg.V
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
+        seeds = [p.seed if p.seed is not None else 0 for p in params]
+        ints = torch.tensor([
+            [p.top_k if p.top_k > 0 else V for p in params],
+            [p.seed is not None for p in params],
+            [seed & MASK32 for seed in seeds],
+            [(seed >> 32) & MASK32 for seed in seeds],
+            [s.num_tokens for s in seqs],
+        ], dtype=torch.int64)  # fmt: skip
+        floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
+        return SamplingTensors(
+            temperature=floats[0], top_p=floats[1], top_k=ints[0], seeded=ints[1].bool(),
+            seed=ints[2:4].T, position=ints[4],
+        )  # fmt: skip
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-import torch
-
 from weft.inference.detokenizer import IncrementalDetokenizer
 from weft.inference.outputs import RequestMetrics
 from weft.inference.params import SamplingParams
@@ -27,7 +25,6 @@ class Sequence:
     max_len: int  # prompt + max_tokens, capped by max_model_len
     metrics: RequestMetrics
     prompt: str | None = None  # the text the prompt came from, if any
-    generator: torch.Generator | None = None  # seeded sampling
     detokenizer: IncrementalDetokenizer | None = None  # streamed outputs of a model with a tokenizer
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
