@@ -5,9 +5,9 @@ each backend may derive extra per-step state from it once, in `prepare`, and the
 calls `forward`, which writes this step's K/V into the slab and attends over it. `check`, which
 refuses metadata that would read or write out of bounds (for the triton backend at the cost of
 a host-device sync), runs on every step only with `check_steps` (WEFT_CHECK_STEPS=1): the runner
-builds metadata that holds by construction, and the tests prove it does. A backend whose per-step state has fixed shapes for a given batch size
-(`cuda_graphs`) can have its decode steps captured in CUDA graphs: `DecodeGraphs` then calls
-`check` on each real step and `plan` once per graph.
+builds metadata that holds by construction, and the tests prove it does. A backend whose per-step
+state has fixed shapes for a given batch size (`cuda_graphs`) can have its decode steps captured
+in CUDA graphs: `DecodeGraphs` then calls `plan` once per graph (and `check` as `prepare` does).
 """
 
 from __future__ import annotations
