@@ -59,15 +59,14 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     decode = source.tokenizer.decode if source.tokenizer else (lambda ids: " ".join(map(str, ids)))
     print(f"HF reference: {len(prompts)} prompts, greedy, up to {args.max_tokens} tokens...", flush=True)
     expected = hf_reference(hf_model, prompts, args.max_tokens, ignore_eos)
-    del hf_model  # weft reads the weights itself, as a user's engine would
     failed = 0
     cases = standard_cases(device)
     for n, case in enumerate(cases, 1):
         print(f"[{case.label}] case {n} of {len(cases)}: serving {len(prompts)} prompts...", flush=True)
         result = run_case(
             model, case, prompts, expected, args.max_tokens, dtype, device, ignore_eos=ignore_eos,
-            progress=sys.stderr.isatty(),
-        )
+            progress=sys.stderr.isatty(), reference=lambda ps: hf_reference(hf_model, ps, args.max_tokens, ignore_eos),
+        )  # weft reads the weights itself, as a user's engine would; HF's model answers second turns
         for line in report_lines(result, decode):
             print(line, flush=True)
         if result.preemptions:

@@ -7,7 +7,7 @@ Used by main.py and tests/correctness alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from weft.inference.scheduler import SCHEDULERS
 from weft.models.loader import ModelSource
 from weft.utils import cdiv
 
+SHARED_PREFIX = 10  # tokens the random-id prompts begin with: two full blocks of run_case's 4
 PROMPTS = [
     "What is the capital of France?",
     "hi",
@@ -33,12 +34,15 @@ PROMPTS = [
 
 
 def conformance_prompts(source: ModelSource, count: int = len(PROMPTS)) -> list[list[int]]:
-    """Ragged prompts as token ids: chat-templated PROMPTS, or random ids for a model without a tokenizer."""
+    """Ragged prompts as token ids that begin alike (the prefix cache shares their first blocks):
+    chat-templated PROMPTS (the template's system turn), or for a model without a tokenizer random ids
+    after a common prefix of SHARED_PREFIX tokens."""
     if source.tokenizer is not None:
         return [chat_prompt(source.tokenizer, [{"role": "user", "content": p}], source.name) for p in PROMPTS[:count]]
     gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, source.config.V, (SHARED_PREFIX,), generator=gen).tolist()
     lengths = (1, 7, 30, 15, 3, 22)[:count]
-    return [torch.randint(0, source.config.V, (n,), generator=gen).tolist() for n in lengths]
+    return [shared + torch.randint(0, source.config.V, (n,), generator=gen).tolist() for n in lengths]
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,12 @@ class Case:
     pool: str = "full"  # "full": every request fits at once; "small": forces preemptions
     midflight: bool = False  # requests arrive at staggered ticks
     budget: int | None = None  # max_num_batched_tokens: prompts prefilled in chunks of at most this many
+    second_turn: bool = False  # then the same prompts again (wholly cached) and each extended by its answer
 
     @property
     def label(self) -> str:
         flags = (("midflight", self.midflight), ("small-pool", self.pool == "small"),
-                 (f"chunks-of-{self.budget}", self.budget is not None))
+                 (f"chunks-of-{self.budget}", self.budget is not None), ("second-turn", self.second_turn))
         return "/".join([self.attention, self.scheduler, *(name for name, on in flags if on)])
 
 
@@ -94,8 +99,16 @@ def standard_cases(device: torch.device | str) -> list[Case]:
     for a in backends:
         if a != "contiguous":
             cases += [Case(a, "continuous", midflight=True), Case(a, "continuous", pool="small"),
-                      Case(a, "continuous", pool="small", budget=CHUNK), Case(a, "continuous", budget=1)]
+                      Case(a, "continuous", pool="small", budget=CHUNK), Case(a, "continuous", budget=1),
+                      Case(a, "continuous", second_turn=True)]
     return cases
+
+
+def second_turn(prompts: list[list[int]], answers: list[list[int]]) -> list[list[int]]:
+    """The prompts again (wholly cached now), then each extended by its answer and the next prompt's
+    last three tokens: a conversation's next turn, whose earlier turns the cache holds."""
+    n = len(prompts)
+    return prompts + [p + a + prompts[(i + 1) % n][-3:] for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]
 
 
 @torch.inference_mode()
@@ -131,14 +144,20 @@ def run_case(
     block_size: int = 4,
     ignore_eos: bool = False,
     progress: bool = False,
+    reference: Callable[[list[list[int]]], list[list[int]]] | None = None,
 ) -> CaseResult:
     """Serve `prompts` with a weft `LLM(model)` under `case` and compare each with `expected`.
 
     `model` is what `LLM` takes: a name or directory (weft reads the weights itself, as a user's
     engine would), or the in-memory reference model. `progress`: a bar while generate runs.
+    `reference`: HF's continuations of other prompts, which a second turn needs.
     """
-    longest = max(len(p) for p in prompts) + max_tokens
-    needs = [cdiv(len(p) + max_tokens - 1, block_size) for p in prompts]  # blocks per request, alone
+    turns = [prompts]
+    if case.second_turn:
+        longest_answer = [p + [0] * max_tokens for p in prompts]
+        turns.append(second_turn(prompts, longest_answer))  # sizes the pool; the real one comes from turn 1
+    longest = max(len(p) for turn in turns for p in turn) + max_tokens
+    needs = [cdiv(len(p) + max_tokens - 1, block_size) for turn in turns for p in turn]  # blocks each, alone
     contiguous = case.attention == "contiguous"
     if case.pool == "small":
         # exactly the prompts' blocks (and at least the largest request's): the continuous scheduler
@@ -149,6 +168,7 @@ def run_case(
     else:
         num_blocks = len(prompts) if contiguous else sum(needs)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    problems = []
     with LLM(
         model,
         attention=case.attention,
@@ -161,17 +181,26 @@ def run_case(
         device=device,
     ) as llm:
         engine = llm.llm_engine
-        before = engine.stats.num_preemptions
         if case.midflight:
             arrivals = [Arrival(f"midflight-{i}", p, params, 3 * i) for i, p in enumerate(prompts)]
             outs = replay_ticks(engine, arrivals)
         else:
             outs = llm.generate(prompts, params, use_tqdm=progress)
-        preemptions = engine.stats.num_preemptions - before
-    got = [o.outputs[0].token_ids for o in outs]
+        got = [o.outputs[0].token_ids for o in outs]
+        if case.second_turn:
+            follow = second_turn(prompts, got)
+            hits = engine.stats.prefix_cache_hits
+            if reference is None:
+                raise ValueError("a second turn needs HF's continuations of its prompts (reference)")
+            expected = expected + expected + reference(follow[len(prompts) :])
+            got += [o.outputs[0].token_ids for o in llm.generate(follow, params, use_tqdm=progress)]
+            if engine.stats.prefix_cache_hits == hits:
+                problems.append("the second turn found nothing in the prefix cache")
+        preemptions = engine.stats.num_preemptions
     result = CaseResult(
-        case, [PromptResult(i, e, g) for i, (e, g) in enumerate(zip(expected, got, strict=True))], preemptions
-    )
+        case, [PromptResult(i, e, g) for i, (e, g) in enumerate(zip(expected, got, strict=True))], preemptions,
+        problems,
+    )  # fmt: skip
     forced = case.pool == "small" and case.scheduler == "continuous" and not contiguous and not case.midflight
     if forced and result.preemptions == 0:
         result.problems.append(f"a pool of {num_blocks} blocks forced no preemption")

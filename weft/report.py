@@ -40,6 +40,10 @@ def _gb(v: float) -> str:
     return f"{v / 1e9:.1f}"
 
 
+def _pct(v: float) -> str:
+    return f"{100 * v:.1f}"
+
+
 def _req_rate(v: float) -> str:
     return "inf" if v == float("inf") else f"{v:g}"
 
@@ -54,6 +58,7 @@ COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "e2e_p50_s": ("e2e p50 (s)", _3g), "makespan_s": ("makespan (s)", _3g),
     "input_tok_s": ("input tok/s", _rate), "output_tok_s": ("output tok/s", _rate),
     "peak_mem_bytes": ("peak mem (GB)", _gb), "preemptions": ("preemptions", _rate),
+    "prefix_cache_hit_rate": ("prefix cache hit rate (%)", _pct),
     "recomputed_tokens": ("recomputed tokens", _rate), "incomplete_requests": ("incomplete requests", _rate),
     "gbps": ("GB/s", _rate), "pct_of_copy": ("% of copy", _rate), "time_s": ("time (ms)", _ms),
     "ratio_vs_sdpa": ("time ÷ SDPA", _3g), "tflops": ("TFLOP/s", _3g), "sdpa_tflops": ("SDPA TFLOP/s", _3g),
@@ -74,6 +79,8 @@ TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns
     "e7": (["config", "steps"], ["itl_p50_s"]),
     "e8": (["config"], ["ttft_p50_s", "itl_p50_s", "e2e_p50_s", "makespan_s", "input_tok_s", "output_tok_s",
                         "peak_mem_bytes", "incomplete_requests"]),
+    "e11": (["config"], ["ttft_p50_s", "ttft_p99_s", "itl_p50_s", "makespan_s", "output_tok_s",
+                         "prefix_cache_hit_rate"]),
     "e9": (["server", "config", "workload", "request_rate"],
            ["median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_tok_s",
             "request_goodput"]),

@@ -59,8 +59,20 @@ def test_blocks_count_every_token_but_the_last():
     assert (w.blocks_needed(4), w.largest_request_blocks(4)) == (5, 4)
 
 
-def test_warmup_keeps_prompts_and_arrivals_and_shortens_outputs():
-    w = workloads.arrival_stream(5, (3,), max_tokens=9, rate=1.0, vocab_size=10)
-    short = w.with_max_tokens(2)
-    assert (short.prompts, arrivals(short), short.clock) == (w.prompts, arrivals(w), w.clock)
+def test_warmup_keeps_shapes_and_arrivals_and_shortens_outputs():
+    w = workloads.arrival_stream(5, (3, 9), max_tokens=9, rate=1.0, vocab_size=1000)
+    short = w.warmup(2)
+    assert [len(p) for p in short.prompts] == [len(p) for p in w.prompts]
+    assert (arrivals(short), short.clock) == (arrivals(w), w.clock)
     assert {r.max_tokens for r in short.requests} == {2}
+    # reversed: nothing the warm-up leaves in a prefix cache begins like a timed prompt
+    assert short.prompts == [p[::-1] for p in w.prompts] and all(a[:3] != b[:3] for a, b in zip(
+        short.prompts, w.prompts, strict=True))
+
+
+def test_shared_prefix_groups_take_turns():
+    w = workloads.shared_prefix(groups=2, per_group=3, system_len=8, question_len=2, max_tokens=4, vocab_size=1000)
+    assert len(w) == 6 and all(len(p) == 10 for p in w.prompts)
+    systems = [tuple(p[:8]) for p in w.prompts]
+    assert systems[0] == systems[2] == systems[4] != systems[1] == systems[3] == systems[5]
+    assert len({tuple(p) for p in w.prompts}) == 6

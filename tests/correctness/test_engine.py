@@ -205,13 +205,14 @@ def test_chunked_prefill_shares_steps_with_running_decodes(tiny):
     while a running request decodes at every one of them; both get HF's tokens all the same."""
     llm, ref = tiny
     device = llm.llm_engine.config.device
-    long_prompt = ref.prompts[2] * 2  # 60 tokens: at most 7 a step beside the decode
+    long_prompt = ref.prompts[2][::-1] * 2  # 80 tokens, none cached: at most 7 a step beside the decode
     unchunked = llm.generate([long_prompt], greedy(4, ignore_eos=True))[0].outputs[0].token_ids
     with LLM("tiny-llama", num_blocks=128, block_size=4, max_num_batched_tokens=8, device=device) as chunked:
         engine = chunked.llm_engine
         final = RequestOutputKind.FINAL_ONLY
         engine.add_request("running", ref.prompts[0], greedy(ref.max_tokens, ignore_eos=True, output_kind=final))
-        engine.step()  # its 1-token prompt: it decodes from here on
+        while engine.requests["running"].num_computed_tokens < len(ref.prompts[0]):
+            engine.step()  # its prompt, in chunks of 8: it decodes from here on
         engine.add_request("long", long_prompt, greedy(4, ignore_eos=True, output_kind=final))
         computed, finals = [0], {}
         while engine.has_unfinished_requests():
@@ -219,7 +220,7 @@ def test_chunked_prefill_shares_steps_with_running_decodes(tiny):
             decoded = engine.requests["running"].num_computed_tokens if "running" in engine.requests else None
             finals |= {o.request_id: o for o in engine.step()}
             if prefilling:
-                computed.append(engine.requests["long"].num_computed_tokens if "long" in engine.requests else 60)
+                computed.append(engine.requests["long"].num_computed_tokens if "long" in engine.requests else 80)
                 if decoded is not None and "running" in engine.requests:
                     assert engine.requests["running"].num_computed_tokens == decoded + 1, "a prefill stalled it"
         chunks = [b - a for a, b in zip(computed, computed[1:], strict=False)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from weft.attention import available_backends
-from weft.conformance import CHUNK, Case, run_case, standard_cases
+from weft.conformance import CHUNK, Case, hf_reference, run_case, standard_cases
 from weft.inference.scheduler import SCHEDULERS
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
@@ -21,7 +21,12 @@ EVERY_CASE = [
     for midflight in (False, True)
     for budget in (None, CHUNK)
     if budget is None or not midflight  # chunked prefill under every scheduler x pool, arrivals at once
-] + [Case(attention, "continuous", budget=1) for attention in available_backends(DEVICE)]  # one-token chunks
+] + [Case(attention, "continuous", budget=1) for attention in available_backends(DEVICE)] + [  # one-token chunks
+    Case(attention, scheduler, second_turn=True, budget=budget)  # prefixes from the cache: whole prompts, turns
+    for attention in available_backends(DEVICE) if attention != "contiguous"
+    for scheduler in SCHEDULERS
+    for budget in (None, CHUNK)
+]
 
 
 def check(model: str, case: Case, reference, device) -> None:
@@ -35,6 +40,7 @@ def check(model: str, case: Case, reference, device) -> None:
         "float32",
         device,
         ignore_eos=ref.ignore_eos,
+        reference=lambda prompts: hf_reference(ref.hf_model, prompts, ref.max_tokens, ref.ignore_eos),
     )
     mismatches = {p.index: p.divergence for p in result.prompts if p.divergence is not None}
     assert not mismatches, f"prompt -> first diverging token: {mismatches}"

@@ -75,6 +75,12 @@ class Sizes:
     e9_lengths: tuple[int, int]  # the curve's prompt and output lengths, each uniform in this range
     e9_rates: tuple[float, ...]  # requests per second (inf: all at once), for weft and the peer alike
     e9_goodput_ms: dict[str, float]  # SLOs of the goodput: ttft, tpot
+    e11_groups: int  # shared system prompts
+    e11_per_group: int  # questions after each
+    e11_system_len: int
+    e11_question_len: int
+    e11_new_tokens: int
+    e11_budget: int  # max_num_batched_tokens: the engine's default, so a group's first prompts go in first
     hf_batch_size: int | None  # hf_generate's padded batch on e8 (None: all requests in one)
     hf_cb_config: dict | None  # ContinuousBatchingConfig fields for hf_generate_batch (None: its defaults)
 
@@ -114,6 +120,12 @@ CUDA_SIZES = Sizes(
     e9_lengths=(100, 1024),
     e9_rates=(1.0, 2.0, 4.0, 8.0, 16.0, float("inf")),
     e9_goodput_ms={"ttft": 500.0, "tpot": 50.0},
+    e11_groups=4,
+    e11_per_group=32,
+    e11_system_len=1800,  # 90% of each prompt is its group's system prompt
+    e11_question_len=200,
+    e11_new_tokens=64,
+    e11_budget=8192,
     # One padded batch of 256 costs about as many steps as one of 64 (the longest output sets both).
     hf_batch_size=None,
     hf_cb_config=None,
@@ -152,6 +164,12 @@ CPU_SIZES = Sizes(
     e9_lengths=(4, 16),
     e9_rates=(20.0, float("inf")),
     e9_goodput_ms={"ttft": 5000.0, "tpot": 1000.0},
+    e11_groups=2,
+    e11_per_group=4,
+    e11_system_len=36,
+    e11_question_len=4,
+    e11_new_tokens=4,
+    e11_budget=48,
     hf_batch_size=None,
     hf_cb_config=dict(num_blocks=16, max_batch_tokens=256),  # its defaults take the RAM
 )
@@ -312,7 +330,7 @@ def run_benchmark(benchmark, request: pytest.FixtureRequest, device: torch.devic
             return server.serve(workload), None
 
         try:
-            server.serve(workload.with_max_tokens(WARMUP_TOKENS))
+            server.serve(workload.warmup(WARMUP_TOKENS))
             served, ops = benchmark.pedantic(timed, args=(server,), rounds=1, iterations=1, warmup_rounds=0)
             if ops is not None:
                 extra = {**extra, "profiled": True, "top_ops": ops}

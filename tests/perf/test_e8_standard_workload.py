@@ -14,6 +14,7 @@ CONFIGS = [
     RunConfig(scheduler="static", attention="contiguous"),
     RunConfig(scheduler="continuous", attention="paged"),
     RunConfig(scheduler="continuous", attention="triton"),
+    RunConfig(scheduler="continuous", attention="triton", prefix_caching=False),  # what the cache costs unshared
     RunConfig(engine="hf_generate"),
     RunConfig(engine="hf_generate_batch"),
 ]

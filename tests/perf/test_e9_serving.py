@@ -84,7 +84,7 @@ def e9_server(e9_attention, sizes, e9_standard, e9_curve, device):
         "--max-num-batched-tokens", str(w.input_tokens), "--max-model-len", str(max(w.max_len, e9_curve.max_len)),
         "--dtype", sizes.dtype, "--device", device.type, "--served-model-name", "e9",
     ) as url:  # fmt: skip
-        asyncio.run(run(url, "e9", w.with_max_tokens(2).requests))  # warm-up: compiles kernels, as offline's does
+        asyncio.run(run(url, "e9", w.warmup(2).requests))  # warm-up: compiles kernels, as offline's does
         yield config, url
 
 
@@ -112,7 +112,7 @@ def e9_peer(tmp_path_factory, sizes, e9_curve, device):
     port = free_port()
     proc = peer.start_server(checkpoint, port, device.type, sizes.dtype, sizes.hf_cb_config, env=child_env())
     with live(proc, port) as url:
-        asyncio.run(run(url, str(checkpoint), e9_curve.with_max_tokens(2).requests, prompt_format="words"))
+        asyncio.run(run(url, str(checkpoint), e9_curve.warmup(2).requests, prompt_format="words"))
         yield str(checkpoint), url
 
 

@@ -95,6 +95,16 @@ def _stream(df: pd.DataFrame) -> Figure:
     return fig
 
 
+def e11(df: pd.DataFrame) -> Figure:
+    """The shared-prefix workload with the prefix cache on and off: TTFT, throughput and the hit rate."""
+    fig, (ttft, tput, hits) = _figure(3)
+    df = _with_ms(df)
+    _bars(ttft, df, "ttft_p50_ms", "TTFT p50 (ms)")
+    _bars(tput, df, "output_tok_s", "output tokens/s")
+    _bars(hits, df, "prefix_cache_hit_rate", "prompt tokens from the cache (fraction)")
+    return fig
+
+
 def e5(df: pd.DataFrame) -> Figure:
     fig, (tput, redo) = _figure(2)
     df = df.assign(recompute_pct=100 * df["recomputed_tokens"] / (df["input_tokens"] + df["output_tokens"]))
@@ -238,6 +248,7 @@ CHARTS: dict[str, Callable[[pd.DataFrame], Figure]] = {
     "e7": e7,
     "e8": _stream,
     "e9": e9,
+    "e11": e11,
 }
 
 

@@ -125,6 +125,7 @@ class Served:
     preemptions: int | None = None  # None: the engine does not report it
     recomputed_tokens: int | None = None
     steps: int | None = None  # engine ticks, where the engine counts them
+    prefix_cache_hit_rate: float | None = None  # prompt tokens found in the prefix cache / admitted (weft)
 
     def metrics(self) -> RunMetrics:
         w, recomputed = self.window, self.recomputed_tokens

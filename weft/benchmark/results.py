@@ -27,6 +27,7 @@ EXPERIMENTS = {
     "e7": "per-tick profile",
     "e8": "standard workload",
     "e9": "serving over HTTP",
+    "e11": "shared-prefix workload, prefix cache on and off",
 }
 IDENTITY = ("experiment", "gpu", "git_sha")  # what every record must say about itself
 # e9's latency fields (ms, as vLLM's `bench serve` names them) <- the same of weft's serving metrics (s)

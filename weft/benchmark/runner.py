@@ -39,6 +39,8 @@ class RunConfig:
     pool_fraction: float = 1.0  # paged/triton pool, as a fraction of what holds every request at once
     max_num_seqs: int | None = None  # None: every request of the workload may run at once
     hf_batch_size: int | None = None  # hf_generate: requests per padded batch; None: all in one
+    prefix_caching: bool | None = None  # weft's enable_prefix_caching; None: its default (on where it can be)
+    max_num_batched_tokens: int | None = None  # weft's step budget; None: the workload's prompts, all in a step
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -50,13 +52,16 @@ class RunConfig:
 
     @property
     def label(self) -> str:
-        """'continuous×triton' for weft, the engine name for the HF baselines."""
-        return f"{self.scheduler}×{self.attention}" if self.engine == "weft" else self.engine
+        """'continuous×triton' for weft (', no prefix cache' when it is turned off), the engine name for the
+        HF baselines."""
+        if self.engine != "weft":
+            return self.engine
+        return f"{self.scheduler}×{self.attention}" + (", no prefix cache" if self.prefix_caching is False else "")
 
     @property
     def id(self) -> str:
         """The label as a pytest id (ASCII)."""
-        return self.label.replace("×", "-")
+        return self.label.replace("×", "-").replace(", no prefix cache", "-nocache")
 
 
 class Server(Protocol):
@@ -98,10 +103,11 @@ class WeftServer:
             num_blocks=num_blocks,
             block_size=config.block_size,
             max_num_seqs=max_num_seqs,
-            # The token budget never limits admission: batches are bounded by max_num_seqs and the pool,
-            # so the static scheduler forms the batches it is meant to (it cannot split a prefill).
-            max_num_batched_tokens=workload.input_tokens,
+            # By default the token budget never limits admission: batches are bounded by max_num_seqs and
+            # the pool, so the static scheduler forms the batches it is meant to.
+            max_num_batched_tokens=config.max_num_batched_tokens or workload.input_tokens,
             max_model_len=workload.max_len,
+            enable_prefix_caching=config.prefix_caching,
             dtype=dtype,
             device=device,
         )
@@ -120,7 +126,8 @@ class WeftServer:
         with measure(self.engine_config.device) as window:
             outputs = (replay_seconds if seconds else replay_ticks)(self.engine, arrivals)
         stats = self.engine.stats.since(before)
-        return Served(outputs, window, stats.num_preemptions, stats.recomputed_tokens, stats.steps)
+        return Served(outputs, window, stats.num_preemptions, stats.recomputed_tokens, stats.steps,
+                      stats.prefix_cache_hit_rate)
 
     def describe(self) -> dict[str, object]:
         c, pool = self.engine.config, self.engine.pool
@@ -134,6 +141,8 @@ class WeftServer:
             "max_num_seqs": c.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens,
             "cuda_graphs": self.engine.runner.graphs is not None,  # decode steps replayed from CUDA graphs
+            "prefix_caching": c.enable_prefix_caching,
+            "chunked_prefill": c.enable_chunked_prefill,
         }
 
     def close(self) -> None:
@@ -208,6 +217,7 @@ def record(
         "workload": workload.name,
         **metrics,
         "steps": served.steps,
+        "prefix_cache_hit_rate": served.prefix_cache_hit_rate,
         # requests that got fewer tokens than asked for (a baseline that failed or stopped early)
         "incomplete_requests": sum(
             len(o.outputs[0].token_ids) < r.max_tokens

@@ -76,9 +76,13 @@ class Workload:
         """The smallest pool that can still run every request (one at a time)."""
         return max(math.ceil((r.max_len - 1) / block_size) for r in self.requests)
 
-    def with_max_tokens(self, max_tokens: int) -> Workload:
-        """Same prompts and arrivals, at most `max_tokens` each: a cheap warm-up with the same shapes."""
-        requests = tuple(replace(r, max_tokens=min(r.max_tokens, max_tokens)) for r in self.requests)
+    def warmup(self, max_tokens: int) -> Workload:
+        """A cheap warm-up of the same shapes: the same lengths and arrivals, at most `max_tokens` each, every
+        prompt reversed, so that it leaves nothing in a prefix cache that the timed run could find."""
+        requests = tuple(
+            replace(r, prompt_token_ids=r.prompt_token_ids[::-1], max_tokens=min(r.max_tokens, max_tokens))
+            for r in self.requests
+        )
         return Workload(f"{self.name}-warmup", requests, self.clock)
 
 
@@ -155,3 +159,17 @@ def arrival_stream(
     else:
         requests = tuple(Request(p, max_tokens, arrival_s=t) for p, t in zip(prompts, times, strict=True))
     return Workload(f"stream-{n}-rate{rate:g}" + ("" if clock == "ticks" else "-per-s"), requests, clock)
+
+
+def shared_prefix(
+    groups: int, per_group: int, system_len: int, question_len: int, max_tokens: int, vocab_size: int, seed: int = 0
+) -> Workload:
+    """SGLang's generated-shared-prefix shape: `groups` long system prompts, each followed by `per_group`
+    short questions; requests take the groups in turn (a group's first request comes early), all at once."""
+    rng = random.Random(seed)
+    systems = random_prompts([system_len] * groups, vocab_size, rng)
+    questions = random_prompts([question_len] * (groups * per_group), vocab_size, rng)
+    requests = tuple(
+        Request(systems[i % groups] + q, max_tokens) for i, q in enumerate(questions)
+    )
+    return Workload(f"shared-{groups}x{per_group}-sys{system_len}-q{question_len}", requests)

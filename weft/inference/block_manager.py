@@ -1,21 +1,43 @@
-"""BlockManager: hands out the pool's N blocks of P tokens to sequences.
+"""BlockManager: hands out the pool's N blocks of P tokens to sequences, and with prefix caching
+shares the full blocks of prompts that begin alike.
 
-The contiguous backend is the case P = S_max: a sequence then holds one block, its row.
+The contiguous backend is the case P = S_max: a sequence then holds one block, its row (no caching).
+
+A full block is known by a hash of its P tokens chained with its parent block's hash, so equal
+hashes mean equal prefixes (the tokens are compared too, against a hash collision). A block once
+computed is registered under its hash; a request whose prompt begins with registered blocks takes
+them (a reference each) instead of computing them, but never the block holding its last prompt
+token, which it must compute for its logits. A freed block keeps its hash and stays findable
+until it is handed out again, least recently freed first. What holds of each block:
+
+| a block is                         | references | in `free`        | in `cached`                      |
+| ---------------------------------- | ---------- | ---------------- | -------------------------------- |
+| held by k requests                 | k >= 1     | no               | if full, computed, first of its content |
+| free and empty                     | 0          | yes              | no                               |
+| free, holding a cached prefix      | 0          | yes (LRU order)  | yes, until handed out (evicted)  |
+
+A block is written only by the request that allocated it, at positions it has not computed yet;
+shared blocks are full and computed, so no request ever writes a block another one reads.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from weft.inference.sequence import Sequence
 from weft.utils import cdiv
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
         self.num_blocks = num_blocks  # N
         self.block_size = block_size  # P
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # the next handed out first
+        self.refs = [0] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` cache slots."""
@@ -23,17 +45,73 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        """Blocks no request holds (those keeping a cached prefix included)."""
+        return len(self.free)
 
-    def can_hold(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether `seq` can grow to cover `num_tokens` cache slots with the blocks free now."""
-        return self.blocks_for(num_tokens) - len(seq.block_table) <= self.num_free
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The registered blocks `seq`'s tokens begin with (none without caching, or once it has computed
+        any). Looks only: nothing is taken."""
+        if not self.prefix_caching or seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
+            return []
+        P, hits, parent = self.block_size, [], None
+        for i in range((seq.num_tokens - 1) // P):  # the block of its last token is computed, not taken
+            tokens = tuple(seq.token_ids[i * P : (i + 1) * P])
+            h = hash((parent, tokens))
+            block = self.cached.get(h)
+            if block is None or self.block_tokens[block] != tokens:
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    def can_hold(self, seq: Sequence, num_tokens: int, prefix: list[int] | None = None) -> bool:
+        """Whether `seq` can grow to cover `num_tokens` cache slots (taking `prefix`, the cached blocks it
+        begins with, first) with the blocks free now."""
+        prefix = prefix or []
+        new = self.blocks_for(num_tokens) - len(seq.block_table) - len(prefix)
+        return new <= self.num_free - sum(1 for b in prefix if self.refs[b] == 0)
+
+    def take_prefix(self, seq: Sequence, prefix: list[int]) -> None:
+        """Give `seq` (which holds no blocks) the cached blocks it begins with: their tokens count as computed."""
+        for block in prefix:
+            if self.refs[block] == 0:
+                del self.free[block]
+            self.refs[block] += 1
+        seq.block_table = list(prefix)
+        seq.block_hashes = [self.block_hash[b] for b in prefix]
+        seq.num_computed_tokens = len(prefix) * self.block_size
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Give `seq` blocks until it covers `num_tokens` slots; call `can_hold` first."""
         for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
-            seq.block_table.append(self.free_blocks.popleft())
+            block, _ = self.free.popitem(last=False)
+            h = self.block_hash[block]
+            if h is not None:  # evicted: its prefix is no longer findable
+                del self.cached[h]
+                self.block_hash[block] = self.block_tokens[block] = None
+            self.refs[block] = 1
+            seq.block_table.append(block)
+
+    def commit(self, seq: Sequence) -> None:
+        """Register `seq`'s blocks that its computed tokens have filled since the last call."""
+        if not self.prefix_caching:
+            return
+        P = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // P):
+            tokens = tuple(seq.token_ids[i * P : (i + 1) * P])
+            h = hash((seq.block_hashes[-1] if i else None, tokens))
+            seq.block_hashes.append(h)
+            block = seq.block_table[i]
+            if h not in self.cached and self.block_hash[block] is None:
+                self.cached[h] = block
+                self.block_hash[block], self.block_tokens[block] = h, tokens
 
     def release(self, seq: Sequence) -> None:
-        self.free_blocks.extend(seq.block_table)
+        """Drop `seq`'s references; a block no request holds becomes free. Its last blocks are freed first,
+        so that a prefix's leading blocks, the likeliest to be shared again, are evicted last."""
+        for block in reversed(seq.block_table):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free[block] = None
         seq.block_table = []
+        seq.block_hashes = []

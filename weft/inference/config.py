@@ -34,6 +34,7 @@ class EngineConfig:
     max_num_seqs: int = 256  # requests one step may hold
     max_num_batched_tokens: int | None = None  # new tokens one step may hold; None: see for_model
     enable_chunked_prefill: bool = True  # prefill long prompts in chunks, in steps shared with decodes
+    enable_prefix_caching: bool | None = None  # share prompts' common prefixes; None: where the backend can
     max_model_len: int | None = None  # longest prompt + completion; None: the model's context
     dtype: str | torch.dtype = "float32"
     device: str | torch.device | None = None  # None: "cuda" when there is one, else "cpu"
@@ -59,14 +60,21 @@ class EngineConfig:
         if not 0 < fraction <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
         set_(self, "gpu_memory_utilization", fraction)
-        for name in ("enforce_eager", "enable_chunked_prefill"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name == "enable_prefix_caching"):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
         if self.attention not in available_backends(self.device):
             raise ValueError(
                 f"the {self.attention} backend cannot run on {self.device.type}: there choose from "
                 f"{', '.join(available_backends(self.device))}"
             )
+        shares = not self.backend.row_per_request  # a request's row of the contiguous slab is its own
+        if self.enable_prefix_caching and not shares:
+            raise ValueError(f"the {self.attention} backend does not support prefix caching (each request owns a "
+                             "row of the slab): use paged or triton, or enable_prefix_caching=False")
+        if self.enable_prefix_caching is None:
+            set_(self, "enable_prefix_caching", shares)
         most = self.backend.max_decodes
         if most is not None and self.max_num_seqs > most:
             raise ValueError(

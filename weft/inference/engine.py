@@ -49,7 +49,7 @@ class LLMEngine:
         self.pool = plan_pool(config, source.config)  # after the weights: on CUDA it sizes from what is left
         attn = config.backend(source.config, self.pool.num_blocks, self.pool.block_size, config.torch_dtype, device)
         logger.info("%s: %s", source.name, self.pool.describe(config))
-        blocks = BlockManager(self.pool.num_blocks, self.pool.block_size)
+        blocks = BlockManager(self.pool.num_blocks, self.pool.block_size, config.enable_prefix_caching)
         self.scheduler = SCHEDULERS[config.scheduler](
             blocks, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
         )
@@ -151,6 +151,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += len(batch.preempted)
         self.stats.recomputed_tokens += sum(lost for _, lost in batch.preempted)
+        self.stats.prefix_cache_queries += batch.admitted_tokens
+        self.stats.prefix_cache_hits += batch.cached_tokens
         if not batch:
             if self.scheduler.has_work() and not batch.preempted:
                 raise RuntimeError("the scheduler made no progress: this is a weft bug, please report it")
@@ -167,6 +169,7 @@ class LLMEngine:
             else:
                 self.stats.prefill_tokens += T
             seq.num_computed_tokens += T
+            self.scheduler.blocks.commit(seq)
         outputs = []
         for seq, token in zip(sampled, tokens, strict=True):
             seq.token_ids.append(token)

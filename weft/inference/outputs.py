@@ -67,6 +67,13 @@ class EngineStats:
     decode_tokens: int = 0  # each step's newest tokens: the ones sampled the step before
     num_preemptions: int = 0
     recomputed_tokens: int = 0  # tokens whose K/V was computed again after a preemption
+    prefix_cache_queries: int = 0  # known tokens of requests at their admissions
+    prefix_cache_hits: int = 0  # of those, the ones found in the prefix cache
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Tokens served from the prefix cache / tokens of admitted requests (0 before any)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def since(self, earlier: EngineStats) -> EngineStats:
         return EngineStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})

@@ -9,6 +9,7 @@ from enum import Enum
 from weft.utils import as_int, as_real
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (vLLM's default bound)
 
 
 class RequestOutputKind(Enum):
@@ -32,6 +33,8 @@ class SamplingParams:
     seed: int | None = None  # a fixed seed makes a sampled request reproducible on its own
     ignore_eos: bool = False
     stop_token_ids: Sequence[int] = ()
+    logprobs: int | None = None  # each generated token's logprob and this many alternatives (0: none)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (its cached prefix is recomputed)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -61,6 +64,12 @@ class SamplingParams:
         if isinstance(stop, str | bytes) or not isinstance(stop, Sequence):
             raise TypeError(f"stop_token_ids must be a list of token ids, got {type(stop).__name__} {stop!r}")
         set_(self, "stop_token_ids", tuple(as_int(f"stop_token_ids[{i}]", t) for i, t in enumerate(stop)))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                set_(self, name, as_int(name, value))
+                if not 0 <= getattr(self, name) <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (or None), got {value}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

@@ -26,6 +26,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, cache tokens it lost)
+    admitted_tokens: int = 0  # the known tokens of the requests admitted this step
+    cached_tokens: int = 0  # of those, the ones found in the prefix cache (not computed)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -75,17 +77,22 @@ class Scheduler(ABC):
     @abstractmethod
     def schedule(self) -> ScheduledBatch: ...
 
-    def _share(self, seq: Sequence, budget: int) -> int:
-        """New tokens for `seq` this step: all it lacks, cut to the budget left with chunked prefill."""
-        lacking = seq.num_tokens - seq.num_computed_tokens
+    def _share(self, seq: Sequence, budget: int, computed: int | None = None) -> int:
+        """New tokens for `seq` this step: all it lacks beyond `computed` (its own count by default), cut
+        to the budget left with chunked prefill."""
+        lacking = seq.num_tokens - (seq.num_computed_tokens if computed is None else computed)
         return max(0, min(lacking, budget)) if self.chunked_prefill else lacking
 
-    def _admit(self, seq: Sequence, reserve: int) -> None:
-        """Move the head of the queue to running, with blocks for `reserve` cache slots."""
+    def _admit(self, seq: Sequence, prefix: list[int], reserve: int, batch: ScheduledBatch) -> None:
+        """Move the head of the queue to running: the cached blocks it begins with, then blocks for
+        `reserve` cache slots."""
         self.waiting.popleft()
+        self.blocks.take_prefix(seq, prefix)
         self.blocks.grow(seq, reserve)
         seq.status = Status.RUNNING
         self.running.append(seq)
+        batch.admitted_tokens += seq.num_tokens
+        batch.cached_tokens += seq.num_computed_tokens
 
 
 class StaticScheduler(Scheduler):
@@ -101,12 +108,13 @@ class StaticScheduler(Scheduler):
             prompts = 0
             while self.waiting and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                if not self.blocks.can_hold(seq, seq.max_kv_tokens):
+                prefix = self.blocks.cached_prefix(seq)
+                if not self.blocks.can_hold(seq, seq.max_kv_tokens, prefix):
                     break
                 if not self.chunked_prefill and prompts + seq.num_tokens > budget:
                     break
                 prompts += seq.num_tokens
-                self._admit(seq, seq.max_kv_tokens)
+                self._admit(seq, prefix, seq.max_kv_tokens, batch)
         for seq in self.running:
             T = self._share(seq, budget)
             if T:
@@ -147,13 +155,15 @@ class ContinuousScheduler(Scheduler):
             return batch.decodes_first()
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            T = self._share(seq, budget)
+            prefix = self.blocks.cached_prefix(seq)
+            cached = len(prefix) * self.blocks.block_size
+            T = self._share(seq, budget, cached)
             # without chunking a preempted sequence may have outgrown the budget; it still runs, alone
             over_budget = T == 0 or (T > budget and len(batch) > 0)
-            if over_budget or not self.blocks.can_hold(seq, T):
+            if over_budget or not self.blocks.can_hold(seq, cached + T, prefix):
                 break
             budget -= T
-            self._admit(seq, T)
+            self._admit(seq, prefix, cached + T, batch)
             batch.add(seq, T)
         return batch.decodes_first()
 

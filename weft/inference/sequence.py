@@ -30,6 +30,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     num_returned_tokens: int = 0  # generated tokens already handed out in DELTA outputs
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of its full, computed blocks (prefix caching)
     finish_reason: str | None = None
     stop_reason: int | None = None
 

@@ -15,7 +15,8 @@ PERF_TESTS = ROOT / "tests" / "perf"
 
 def experiments() -> dict[str, Path]:
     """The perf experiments by name (e1, e2, ...): tests/perf/test_e1_backend_sweep.py is e1."""
-    return {path.name.split("_")[1]: path for path in sorted(PERF_TESTS.glob("test_e*_*.py"))}
+    found = {path.name.split("_")[1]: path for path in PERF_TESTS.glob("test_e*_*.py")}
+    return dict(sorted(found.items(), key=lambda item: int(item[0][1:])))  # e1, e2, ..., e9, e11
 
 
 def gate(argv: list[str], gpu: str) -> int:

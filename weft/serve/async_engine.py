@@ -66,6 +66,8 @@ class EngineStatsSnapshot:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 # A piece of one request's output, as the engine process sends it:
@@ -267,5 +269,6 @@ def _snapshot(engine) -> EngineStatsSnapshot:
     blocks = scheduler.blocks
     return EngineStatsSnapshot(
         len(scheduler.running), len(scheduler.waiting), blocks.num_blocks - blocks.num_free, blocks.num_blocks,
-        stats.num_preemptions, stats.prefill_tokens, stats.decode_tokens, stats.steps,
+        stats.num_preemptions, stats.prefill_tokens, stats.decode_tokens, stats.steps, stats.prefix_cache_queries,
+        stats.prefix_cache_hits,
     )

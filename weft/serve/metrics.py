@@ -35,6 +35,8 @@ class EngineCollector(Collector):
             "prompt_tokens": ("Prefill tokens computed.", s.prompt_tokens),
             "generation_tokens": ("Decode tokens computed.", s.generation_tokens),
             "engine_steps": ("Engine steps run.", s.steps),
+            "prefix_cache_queries": ("Prompt tokens of admitted requests.", s.prefix_cache_queries),
+            "prefix_cache_hits": ("Of those, tokens found in the prefix cache.", s.prefix_cache_hits),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"weft:{name}", doc, value)

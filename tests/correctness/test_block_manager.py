@@ -1,0 +1,113 @@
+"""The block manager's prefix cache: shared full blocks, reference counts, and least-recently-freed eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from weft import LLM, SamplingParams
+from weft.inference.block_manager import BlockManager
+from weft.inference.outputs import RequestMetrics
+from weft.inference.sequence import Sequence
+
+pytestmark = pytest.mark.correctness
+P = 4
+
+
+def seq(tokens: list[int], **params) -> Sequence:
+    return Sequence("s", list(tokens), len(tokens), SamplingParams(**params), len(tokens) + 4, RequestMetrics(0.0))
+
+
+def computed(blocks: BlockManager, s: Sequence) -> Sequence:
+    """Admit `s` as a scheduler does and mark its prompt computed (its blocks registered)."""
+    prefix = blocks.cached_prefix(s)
+    assert blocks.can_hold(s, s.num_tokens, prefix)
+    blocks.take_prefix(s, prefix)
+    blocks.grow(s, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    blocks.commit(s)
+    return s
+
+
+def test_requests_that_begin_alike_share_their_full_blocks():
+    blocks = BlockManager(16, P, prefix_caching=True)
+    a = computed(blocks, seq(list(range(10))))  # blocks: [0..3] [4..7] [8 9]
+    b = seq(list(range(8)) + [50, 51, 52])
+    prefix = blocks.cached_prefix(b)
+    assert prefix == a.block_table[:2]
+    blocks.take_prefix(b, prefix)
+    assert b.num_computed_tokens == 8 and [blocks.refs[x] for x in prefix] == [2, 2]
+    blocks.grow(b, b.num_tokens)
+    assert b.block_table[2] not in a.block_table  # its own third block: shared blocks are never written
+    blocks.release(a)
+    assert [blocks.refs[x] for x in prefix] == [1, 1] and blocks.num_free == 16 - 3  # b's three blocks held
+
+
+def test_a_wholly_cached_prompt_still_computes_its_last_block():
+    blocks = BlockManager(16, P, prefix_caching=True)
+    a = computed(blocks, seq(list(range(8))))
+    again = seq(list(range(8)))
+    assert blocks.cached_prefix(again) == a.block_table[:1]  # its last token's block is computed again
+    longer = seq(list(range(9)))
+    assert blocks.cached_prefix(longer) == a.block_table[:2]
+
+
+def test_freed_blocks_stay_findable_until_evicted_least_recently_freed_first():
+    blocks = BlockManager(6, P, prefix_caching=True)
+    old = computed(blocks, seq([1] * 4 + [2] * 4 + [3]))  # 3 blocks
+    new = computed(blocks, seq([7] * 4 + [8] * 4 + [9]))  # 3 blocks: the pool is full
+    blocks.release(old)
+    blocks.release(new)
+    assert blocks.num_free == 6
+    assert len(blocks.cached_prefix(seq([1] * 4 + [2] * 4 + [3]))) == 2  # still there, though free
+    taker = seq([5] * 9)
+    assert blocks.can_hold(taker, 9)
+    blocks.grow(taker, 9)  # three fresh blocks: the oldest freed go first, `old`'s (its last block first)
+    assert blocks.cached_prefix(seq([1] * 4 + [2] * 4 + [3])) == []
+    assert len(blocks.cached_prefix(seq([7] * 4 + [8] * 4 + [9]))) == 2
+
+
+def test_taking_a_free_cached_block_counts_against_the_free_ones():
+    blocks = BlockManager(3, P, prefix_caching=True)
+    a = computed(blocks, seq([1] * 4 + [2] * 4 + [3]))
+    blocks.release(a)
+    b = seq([1] * 4 + [2] * 4 + [4] * 4 + [5])  # takes 2 free cached blocks, needs 2 more: 4 > 3
+    prefix = blocks.cached_prefix(b)
+    assert len(prefix) == 2 and not blocks.can_hold(b, b.num_tokens, prefix)
+    assert blocks.can_hold(b, 9, prefix)  # 2 taken + 1 fresh
+
+
+def test_a_token_mismatch_under_an_equal_hash_is_no_hit(monkeypatch):
+    blocks = BlockManager(8, P, prefix_caching=True)
+    a = computed(blocks, seq(list(range(9))))
+    blocks.block_tokens[a.block_table[0]] = (9, 9, 9, 9)  # as if another prefix had hashed alike
+    assert blocks.cached_prefix(seq(list(range(9)))) == []
+
+
+def test_without_caching_or_with_prompt_logprobs_nothing_is_shared():
+    plain = BlockManager(8, P)
+    computed(plain, seq(list(range(9))))
+    assert plain.cached_prefix(seq(list(range(9)))) == [] and not plain.cached
+    cached = BlockManager(8, P, prefix_caching=True)
+    computed(cached, seq(list(range(9))))
+    assert cached.cached_prefix(seq(list(range(9)), prompt_logprobs=1)) == []  # its prompt is computed to score it
+
+
+def test_the_engine_reports_its_hit_rate_and_aborts_release_only_their_references(device):
+    with LLM("tiny-llama", num_blocks=32, block_size=P, device=device) as llm:
+        engine = llm.llm_engine
+        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        first = llm.generate([list(range(1, 10))], greedy)[0].outputs[0].token_ids
+        assert engine.stats.prefix_cache_hits == 0 and engine.stats.prefix_cache_queries == 9
+        engine.add_request("sharer", list(range(1, 10)) + [20], greedy)
+        engine.add_request("other", list(range(1, 10)), greedy)
+        engine.step()
+        shared = engine.requests["sharer"].block_table[:2]
+        assert engine.requests["other"].block_table[:2] == shared
+        assert engine.stats.prefix_cache_hits == 16 and engine.stats.prefix_cache_hit_rate == 16 / 28
+        engine.abort_request("sharer")
+        assert [engine.scheduler.blocks.refs[b] for b in shared] == [1, 1]  # "other" still reads them
+        while engine.has_unfinished_requests():
+            finished = [o for o in engine.step() if o.finished]
+        assert finished[0].outputs[0].token_ids == first
+    with pytest.raises(ValueError, match="the contiguous backend does not support prefix caching"):
+        LLM("tiny-llama", attention="contiguous", enable_prefix_caching=True, device=device)
