@@ -148,6 +148,12 @@ def test_bad_sampling_params_argument(llm, good_tokens, sampling_params, error, 
         (dict(stop_token_ids=[1.5]), TypeError, "stop_token_ids[0] must be an integer, got float"),
         (dict(stop_token_ids=[True]), TypeError, "stop_token_ids[0] must be an integer, got the bool"),
         (dict(output_kind="delta"), TypeError, "output_kind must be a RequestOutputKind"),
+        (dict(logprobs=-1), ValueError, "logprobs must be in [0, 20] (or None), got -1"),
+        (dict(logprobs=21), ValueError, "logprobs must be in [0, 20]"),
+        (dict(logprobs=1.5), TypeError, "logprobs must be an integer, got float"),
+        (dict(logprobs=True), TypeError, "logprobs must be an integer, got the bool"),
+        (dict(prompt_logprobs=50), ValueError, "prompt_logprobs must be in [0, 20]"),
+        (dict(prompt_logprobs="5"), TypeError, "prompt_logprobs must be an integer, got str"),
     ],
 )
 def test_bad_sampling_params(kwargs, error, message):

@@ -21,6 +21,7 @@ from weft.inference.config import EngineConfig
 from weft.inference.cuda_graphs import DecodeGraphs
 from weft.inference.detokenizer import IncrementalDetokenizer
 from weft.inference.inputs import parse_prompt
+from weft.inference.logprobs import as_dict
 from weft.inference.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from weft.inference.params import RequestOutputKind, check_sampling_params
 from weft.inference.pool import plan_pool
@@ -119,6 +120,10 @@ class LLMEngine:
             )
         if self.tokenizer is not None and params.output_kind is not RequestOutputKind.FINAL_ONLY:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # nothing predicts the first token
         return seq
 
     def enqueue(self, seq: Sequence) -> None:
@@ -159,8 +164,11 @@ class LLMEngine:
             return []
         self.stats.steps += 1
         start = time.perf_counter()
-        sampled, tokens = self.runner.run(batch)
+        result = self.runner.run(batch)
         now = time.perf_counter()  # the sampled ids came back to the host: the device is done
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        for seq, entries in result.prompt_logprobs:
+            seq.prompt_logprobs.append(as_dict(entries, decode))
         for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = start
@@ -171,8 +179,10 @@ class LLMEngine:
             seq.num_computed_tokens += T
             self.scheduler.blocks.commit(seq)
         outputs = []
-        for seq, token in zip(sampled, tokens, strict=True):
+        for seq, token, entries in zip(result.sampled, result.tokens, result.logprobs, strict=True):
             seq.token_ids.append(token)
+            if entries is not None:
+                seq.logprobs.append(as_dict(entries, decode))
             seq.metrics.token_times.append(now)
             self._check_stop(seq, token)
             if seq.finish_reason is not None:
@@ -197,9 +207,13 @@ class LLMEngine:
         kind, finished = seq.params.output_kind, seq.finish_reason is not None
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        ids = seq.output_token_ids
+        ids, returned = seq.output_token_ids, seq.num_returned_tokens
         if kind is RequestOutputKind.DELTA:
-            ids, seq.num_returned_tokens = ids[seq.num_returned_tokens :], len(ids)
+            ids, seq.num_returned_tokens = ids[returned:], len(ids)
+        logprobs = seq.logprobs
+        if logprobs is not None:
+            logprobs = logprobs[returned:] if kind is RequestOutputKind.DELTA else list(logprobs)
+        prompt_logprobs = None if kind is RequestOutputKind.DELTA and returned else seq.prompt_logprobs
         if seq.detokenizer is not None:
             delta = seq.detokenizer.add(seq.token_ids[-1:], final=finished)
             text = delta if kind is RequestOutputKind.DELTA else seq.detokenizer.text
@@ -207,10 +221,10 @@ class LLMEngine:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
         else:
             text = ""
-        completion = CompletionOutput(0, text, ids, seq.finish_reason, seq.stop_reason)
-        return RequestOutput(
-            seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], [completion], finished, seq.metrics
-        )
+        completion = CompletionOutput(0, text, ids, seq.finish_reason, seq.stop_reason, logprobs)
+        prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
+        return RequestOutput(seq.request_id, seq.prompt, prompt_ids, [completion], finished, seq.metrics,
+                             list(prompt_logprobs) if prompt_logprobs is not None else None)
 
     # ---- lifetime -----------------------------------------------------------------------------
 

@@ -38,6 +38,15 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """vLLM's: a token's log-probability under the model, its rank (1: the likeliest), its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a request (weft generates one per request: index 0)."""
 
@@ -46,6 +55,7 @@ class CompletionOutput:
     token_ids: list[int]  # generated tokens only (this step's alone for RequestOutputKind.DELTA)
     finish_reason: str | None  # "stop" (EOS or a stop token), "length" (max_tokens or the context); None: running
     stop_reason: int | None = None  # the stop token that ended it, if one of stop_token_ids did
+    logprobs: list[dict[int, Logprob]] | None = None  # with SamplingParams.logprobs: one per token of token_ids
 
 
 @dataclass
@@ -56,6 +66,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # with SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 
 from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.inference.cuda_graphs import DecodeGraphs
+from weft.inference.logprobs import Entries, logprob_entries
 from weft.inference.scheduler import ScheduledBatch
 from weft.inference.sequence import Sequence
 from weft.layers.sampler import MASK32, SamplingTensors, sample
@@ -27,6 +28,17 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [B'] int64: row of each sampling sequence's last new token
     sampling: list[Sequence]  # the B' sequences that get a next token
+    prompt_rows: list[int]  # rows whose next token is a prompt token a prompt_logprobs request scores
+    prompt_targets: list[int]  # that next token of each such row
+    prompt_owners: list[Sequence]  # the request of each such row
+
+
+@dataclass
+class StepOutput:
+    sampled: list[Sequence]  # the sequences that got a next token
+    tokens: list[int]  # those tokens
+    logprobs: list[Entries | None]  # per sampled sequence: its token's entries, if it asks for logprobs
+    prompt_logprobs: list[tuple[Sequence, Entries]]  # (request, the entries of its next prompt token), in order
 
 
 class ModelRunner:
@@ -46,8 +58,15 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         starts, context_lens, sample_rows, sampling = [0], [], [], []
+        prompt_rows, prompt_targets, prompt_owners = [], [], []
         for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + T
+            if seq.prompt_logprobs is not None:  # rows predicting a prompt token not yet scored
+                first = max(begin, len(seq.prompt_logprobs) - 1)
+                for p in range(first, min(end, seq.num_prompt_tokens - 1)):
+                    prompt_rows.append(starts[-1] + p - begin)
+                    prompt_targets.append(seq.token_ids[p + 1])
+                    prompt_owners.append(seq)
             input_ids += seq.token_ids[begin:end]
             positions += range(begin, end)
             slots += (seq.block_table[p // P] * P + p % P for p in range(begin, end))
@@ -73,21 +92,34 @@ class ModelRunner:
             meta,
             self._tensor(sample_rows, torch.int64),
             sampling,
+            prompt_rows,
+            prompt_targets,
+            prompt_owners,
         )
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
-        """-> the sequences that got a next token, and those tokens."""
+    def run(self, batch: ScheduledBatch) -> StepOutput:
         x = self.prepare(batch)
         if self.graphs is not None and self.graphs.serves(x.meta):
             hidden = self.graphs.forward(x.input_ids, x.positions, x.meta)  # [B, E]
         else:
             hidden = self.model(x.input_ids, x.positions, self.attn, self.attn.prepare(x.meta))  # [T_total, E]
-        if not x.sampling:
-            return [], []
         logits = self.model.logits(hidden[x.sample_rows])  # [B', V]
         tokens = sample(logits, self.sampling_tensors(x.sampling))
-        return x.sampling, tokens.tolist()
+        asking = [i for i, s in enumerate(x.sampling) if s.params.logprobs is not None]
+        if not asking and not x.prompt_rows:
+            return StepOutput(x.sampling, tokens.tolist(), [None] * len(x.sampling), [])
+        rows = self._tensor(x.prompt_rows, torch.int64)
+        entries = logprob_entries(
+            torch.cat([logits[asking], self.model.logits(hidden[rows])]),
+            torch.cat([tokens[asking], self._tensor(x.prompt_targets, torch.int64)]),
+            [x.sampling[i].params.logprobs for i in asking] + [s.params.prompt_logprobs for s in x.prompt_owners],
+        )
+        per_sampled: list[Entries | None] = [None] * len(x.sampling)
+        for i, e in zip(asking, entries, strict=False):
+            per_sampled[i] = e
+        return StepOutput(x.sampling, tokens.tolist(), per_sampled,
+                          list(zip(x.prompt_owners, entries[len(asking) :], strict=True)))
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors | None:
         """The sampled rows' settings as tensors (None when every row is greedy)."""

@@ -33,6 +33,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # of its full, computed blocks (prefix caching)
     finish_reason: str | None = None
     stop_reason: int | None = None
+    logprobs: list[dict] | None = None  # with params.logprobs: one {token id: Logprob} per generated token
+    prompt_logprobs: list[dict | None] | None = None  # with params.prompt_logprobs: per prompt token so far
 
     @property
     def num_tokens(self) -> int:
