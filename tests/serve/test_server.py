@@ -96,6 +96,33 @@ def test_chat_matches_hf_and_llm_chat(client, reference, offline):
 
 
 @needs_smollm2
+def test_logprobs_over_http_are_the_engines(client, offline):
+    prompt = "The capital of France is"
+    want = offline.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), use_tqdm=False)[0]
+    want = want.outputs[0]
+    got = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=3).choices[0]
+    lp = got.logprobs
+    expected = [e[t].logprob for t, e in zip(want.token_ids, want.logprobs, strict=True)]
+    assert lp.token_logprobs == pytest.approx(expected, abs=1e-5)
+    assert "".join(lp.tokens) == got.text and lp.text_offset[0] == 0
+    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(t) for top, t in
+               zip(lp.top_logprobs, lp.token_logprobs, strict=True))  # greedy: each token is its likeliest
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=2).choices[0]
+    content = chat.logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    assert "".join(c.token for c in content) == chat.message.content
+    streamed = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0,
+                                                   logprobs=True, top_logprobs=2, stream=True))
+    pieces = [c for chunk in streamed if chunk.choices and chunk.choices[0].logprobs for c in
+              chunk.choices[0].logprobs.content]
+    assert [c.token for c in pieces] == [c.token for c in content]  # (served from the prefix cache this time:
+    assert [c.logprob for c in pieces] == pytest.approx([c.logprob for c in content], abs=1e-5)  # sums differ)
+
+
+@needs_smollm2
 def test_a_list_of_text_prompts_gets_a_choice_each(client, offline):
     prompts = ["The capital of France is", "One, two, three,"]
     outs = offline.generate(prompts, greedy(6), use_tqdm=False)
@@ -168,7 +195,12 @@ BAD = [
     ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": "2"}, 400, "stop_token_ids"),
     ("completions", {"model": NAME, "prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ("completions", {"model": NAME, "prompt": "hi", "n": 2}, 400, "n"),
-    ("completions", {"model": NAME, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"model": NAME, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"model": NAME, "prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, 400,
+     "logprobs"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
     ("completions", {"model": NAME, "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("completions", {"model": NAME}, 400, "prompt"),
     ("completions", {"model": NAME, "prompt": []}, 400, "prompt"),

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from weft.inference.inputs import prompt_list
-from weft.inference.outputs import CompletionOutput, RequestOutput
+from weft.inference.outputs import CompletionOutput, Logprob, RequestOutput
 from weft.serve.async_engine import AsyncEngine, Conversation, EngineDead, QueueFull
 from weft.serve.metrics import ServerMetrics
 from weft.serve.protocol import (
@@ -33,8 +33,10 @@ from weft.serve.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
+    ChatLogprobs,
     ChatMessage,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -43,6 +45,8 @@ from weft.serve.protocol import (
     GenerationRequest,
     ModelCard,
     ModelList,
+    TokenLogprob,
+    TopLogprob,
     UsageInfo,
 )
 
@@ -62,7 +66,7 @@ def refusal(e: Exception) -> APIError:
     """The engine's ValueError / TypeError for a request, as a 400 naming the field when it says which."""
     message = str(e)
     field = message.split(" ", 1)[0].split("[", 1)[0].strip(":")
-    known = set(GenerationRequest.model_fields) | {"prompt", "messages"}
+    known = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
     return APIError(400, message, param=field if field in known else None)
 
 
@@ -146,11 +150,12 @@ def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
         firsts = await first_outputs(streams)
         if request.stream:
             return sse(completion_chunks(f"cmpl-{rid}", request, streams, firsts, metrics))
-        choices, usage = [], Usage()
+        choices, usage, k = [], Usage(), request.num_logprobs()
         for i, outs in enumerate(await collect(raw, streams, firsts)):
             text, tokens, last = joined(outs, metrics, usage)
             choices.append(CompletionChoice(index=i, text=text, finish_reason=last.finish_reason,
-                                            stop_reason=last.stop_reason, **token_fields(request, outs[0], tokens)))
+                                            stop_reason=last.stop_reason, logprobs=completion_logprobs(outs, k),
+                                            **token_fields(request, outs[0], tokens)))
         body = CompletionResponse(id=f"cmpl-{rid}", model=request.model, choices=choices, usage=usage.info())
         return JSONResponse(body.model_dump())
 
@@ -164,6 +169,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
         text, tokens, last = joined(outs, metrics, usage)
         choice = ChatCompletionChoice(index=0, message=ChatMessage(role="assistant", content=text),
                                       finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+                                      logprobs=chat_logprobs(outs, request.num_logprobs()),
                                       **token_fields(request, outs[0], tokens))
         body = ChatCompletionResponse(id=f"chatcmpl-{rid}", model=request.model, choices=[choice], usage=usage.info())
         return JSONResponse(body.model_dump())
@@ -247,6 +253,50 @@ async def merged(streams: list, firsts: list[RequestOutput]) -> AsyncIterator[tu
         await close(streams)
 
 
+def _token_text(token: int, entry: dict[int, Logprob]) -> str:
+    text = entry[token].decoded_token
+    return text if text is not None else f"token_id:{token}"  # a model without a tokenizer: vLLM's form
+
+
+def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k likeliest of a token's entries, likeliest first (the chosen token only if it is among them)."""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k), key=lambda e: e[1].rank)
+
+
+def _positions(outs: list[RequestOutput]) -> list[tuple[int, dict[int, Logprob]]]:
+    """(token, its logprobs) of every token the pieces carry."""
+    return [(t, e) for o in outs for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=False)]
+
+
+def completion_logprobs(outs: list[RequestOutput], k: int | None, offset: int = 0) -> CompletionLogprobs | None:
+    """The legacy completions API's logprobs of the pieces' tokens (None unless asked); `offset`: where the
+    pieces' text starts in the completion's."""
+    if k is None:
+        return None
+    positions = _positions(outs)
+    texts = [_token_text(t, e) for t, e in positions]
+    starts = [offset + sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    return CompletionLogprobs(
+        tokens=texts, token_logprobs=[e[t].logprob for t, e in positions], text_offset=starts,
+        top_logprobs=[{_token_text(a, e): lp.logprob for a, lp in _ranked(e, k)} for _, e in positions],
+    )  # fmt: skip
+
+
+def chat_logprobs(outs: list[RequestOutput], k: int | None) -> ChatLogprobs | None:
+    """The chat API's logprobs of the pieces' tokens (None unless asked)."""
+    if k is None:
+        return None
+
+    def top(token: int, entry: dict[int, Logprob], lp: Logprob) -> dict:
+        text = _token_text(token, entry)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    return ChatLogprobs(content=[
+        TokenLogprob(**top(t, e, e[t]), top_logprobs=[TopLogprob(**top(a, e, lp)) for a, lp in _ranked(e, k)])
+        for t, e in _positions(outs)
+    ])  # fmt: skip
+
+
 def joined(outs: list[RequestOutput], metrics: ServerMetrics, usage: Usage) -> tuple[str, list[int], CompletionOutput]:
     """A finished request's pieces -> its text, its token ids and its last piece (with the finish reason);
     counted in `usage` and the latency histograms."""
@@ -284,14 +334,16 @@ def event(body: str) -> str:
 async def completion_chunks(
     rid: str, request: CompletionRequest, streams: list, firsts: list[RequestOutput], metrics: ServerMetrics
 ) -> AsyncIterator[str]:
-    created, usage = int(time.time()), Usage()
-    counts = [0] * len(streams)
+    created, usage, k = int(time.time()), Usage(), request.num_logprobs()
+    counts, offsets = [0] * len(streams), [0] * len(streams)
     try:
         async for i, out in merged(streams, firsts):
             c = out.outputs[0]
             counts[i] += len(c.token_ids)
+            logprobs = completion_logprobs([out], k, offsets[i])
+            offsets[i] += len(c.text)
             choice = CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                      token_ids=c.token_ids if request.return_token_ids else None)
+                                      logprobs=logprobs, token_ids=c.token_ids if request.return_token_ids else None)
             yield event(CompletionResponse(id=rid, created=created, model=request.model, choices=[choice])
                         .model_dump_json(exclude_none=True))
             if out.finished:
@@ -318,6 +370,7 @@ async def chat_chunks(
             c = out.outputs[0] if out is not None else None
             choices.append(ChatCompletionStreamChoice(
                 index=0, delta=delta, finish_reason=c and c.finish_reason, stop_reason=c and c.stop_reason,
+                logprobs=chat_logprobs([out], request.num_logprobs()) if out is not None else None,
                 token_ids=c.token_ids if c is not None and request.return_token_ids else None,
             ))  # fmt: skip
         body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=choices, usage=usage)

@@ -70,9 +70,9 @@ class EngineStatsSnapshot:
     prefix_cache_hits: int = 0
 
 
-# A piece of one request's output, as the engine process sends it:
-# (request id, new token ids, new text, finish reason, stop reason, prompt ids | None, metrics | None),
-# or (request id, exception) for a request the engine refused.
+# A piece of one request's output, as the engine process sends it: (request id, new token ids, new text,
+# finish reason, stop reason, prompt ids | None, metrics | None, their logprobs | None), or
+# (request id, exception) for a request the engine refused.
 Piece = tuple
 
 
@@ -173,10 +173,10 @@ class AsyncEngine:
             if len(piece) == 2:
                 stream.put_nowait(piece[1])
                 continue
-            rid, token_ids, text, finish_reason, stop_reason, prompt_ids, metrics = piece
+            rid, token_ids, text, finish_reason, stop_reason, prompt_ids, metrics, logprobs = piece
             if prompt_ids is not None:
                 self.prompts[rid] = prompt_ids
-            completion = CompletionOutput(0, text, token_ids, finish_reason, stop_reason)
+            completion = CompletionOutput(0, text, token_ids, finish_reason, stop_reason, logprobs)
             finished = finish_reason is not None
             stream.put_nowait(RequestOutput(rid, None, self.prompts.get(rid, []), [completion], finished,
                                             metrics if metrics is not None else _NO_METRICS))
@@ -257,7 +257,8 @@ def engine_main(config: EngineConfig, commands, outputs) -> None:
                     if out.finished:
                         started.discard(out.request_id)
                     pieces.append((out.request_id, c.token_ids, c.text, c.finish_reason, c.stop_reason,
-                                   out.prompt_token_ids if first else None, out.metrics if out.finished else None))
+                                   out.prompt_token_ids if first else None, out.metrics if out.finished else None,
+                                   c.logprobs))
             outputs.send((pieces, _snapshot(engine), admitted))
     except BaseException as e:  # noqa: BLE001 (a step raised: the engine's state is no longer trusted)
         logger.exception("the engine process is stopping: a step raised")

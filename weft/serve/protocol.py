@@ -19,8 +19,6 @@ from weft.inference.params import RequestOutputKind, SamplingParams
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "stop": (None, [], ""),
@@ -68,10 +66,15 @@ class GenerationRequest(BaseModel):
             seed=self.seed,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            logprobs=self.num_logprobs(),
             output_kind=RequestOutputKind.DELTA,
         )
 
     def default_max_tokens(self) -> int | None:
+        return None
+
+    def num_logprobs(self) -> int | None:
+        """The alternatives each token's logprobs list, or None for no logprobs."""
         return None
 
     @property
@@ -81,17 +84,32 @@ class GenerationRequest(BaseModel):
 
 class CompletionRequest(GenerationRequest):
     prompt: Any  # text, token ids, or a list of either (checked by weft.inference.inputs)
+    logprobs: Any = None  # the legacy API's: how many alternatives each token's logprobs list
 
     def default_max_tokens(self) -> int | None:
         return 16  # OpenAI's default for completions
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatCompletionRequest(GenerationRequest):
     messages: Any  # [{"role", "content"}, ...], checked by weft.inference.chat
     max_completion_tokens: Any = None  # OpenAI's newer name for max_tokens
+    logprobs: Any = False  # the chat API's: whether to return logprobs at all
+    top_logprobs: Any = None  # and then how many alternatives each token lists
 
     def default_max_tokens(self) -> int | None:
         return self.max_completion_tokens  # None: until the context is full, as OpenAI's chat does
+
+    def num_logprobs(self) -> int | None:
+        if not isinstance(self.logprobs, bool):
+            raise TypeError(f"logprobs must be a bool in a chat request, got {self.logprobs!r}")
+        if not self.logprobs:
+            if self.top_logprobs not in (None, 0):
+                raise ValueError("top_logprobs needs logprobs: true")
+            return None
+        return 0 if self.top_logprobs is None else self.top_logprobs
 
 
 class UsageInfo(BaseModel):
@@ -100,10 +118,33 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions API's: per token its text, logprob, top alternatives, and offset in the text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None
     token_ids: list[int] | None = None
@@ -127,7 +168,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None
     token_ids: list[int] | None = None
@@ -151,7 +192,7 @@ class DeltaMessage(BaseModel):
 class ChatCompletionStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None
     token_ids: list[int] | None = None
