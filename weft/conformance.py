@@ -17,6 +17,7 @@ from weft.attention import available_backends
 from weft.benchmark.replay import Arrival, replay_ticks
 from weft.inference.chat import chat_prompt
 from weft.inference.llm import LLM
+from weft.inference.outputs import RequestOutput
 from weft.inference.params import SamplingParams
 from weft.inference.scheduler import SCHEDULERS
 from weft.models.loader import ModelSource
@@ -66,6 +67,8 @@ class PromptResult:
     index: int
     expected: list[int]
     got: list[int]
+    expected_top: list[set[int]] | None = None  # HF's TOP likeliest tokens at each position (16-bit runs)
+    got_top: list[set[int]] | None = None  # weft's
 
     @property
     def divergence(self) -> int | None:
@@ -74,6 +77,18 @@ class PromptResult:
             if a != b:
                 return i
         return None if len(self.expected) == len(self.got) else min(len(self.expected), len(self.got))
+
+    @property
+    def ok(self) -> bool:
+        """Token-exact; or, with the top tokens of both sides (vLLM's check_logprobs_close, for 16-bit runs
+        whose sums round differently), at the first difference each side's token is among the other's TOP
+        likeliest, and nothing after it is compared."""
+        at = self.divergence
+        if at is None:
+            return True
+        tops = self.expected_top is not None and self.got_top is not None
+        inside = at < len(self.expected) and at < len(self.got)
+        return tops and inside and self.got[at] in self.expected_top[at] and self.expected[at] in self.got_top[at]
 
 
 @dataclass
@@ -85,10 +100,11 @@ class CaseResult:
 
     @property
     def ok(self) -> bool:
-        return not self.problems and all(p.divergence is None for p in self.prompts)
+        return not self.problems and all(p.ok for p in self.prompts)
 
 
 CHUNK = 5  # with blocks of 4 tokens (run_case's), chunks end mid-block
+TOP = 5  # vLLM's check_logprobs_close: at a 16-bit run's first difference, each side's token in the other's top 5
 
 
 def standard_cases(device: torch.device | str) -> list[Case]:
@@ -112,12 +128,13 @@ def second_turn(prompts: list[list[int]], answers: list[list[int]]) -> list[list
 
 
 @torch.inference_mode()
-def hf_reference(
-    hf_model: Any, prompts: list[list[int]], max_tokens: int, ignore_eos: bool
-) -> list[list[int]]:
-    """HF greedy continuations, one prompt at a time (no padding to perturb the numbers)."""
+def hf_greedy(
+    hf_model: Any, prompts: list[list[int]], max_tokens: int, ignore_eos: bool, top: int = 0
+) -> tuple[list[list[int]], list[list[set[int]]] | None]:
+    """HF greedy continuations, one prompt at a time (no padding to perturb the numbers), and with `top`
+    the `top` likeliest tokens at each generated position (from HF's raw logits)."""
     eos = hf_model.generation_config.eos_token_id
-    outs = []
+    outs, tops = [], []
     for ids in prompts:
         x = torch.tensor([ids], device=hf_model.device)
         y = hf_model.generate(
@@ -128,9 +145,23 @@ def hf_reference(
             do_sample=False,
             eos_token_id=None if ignore_eos else eos,
             pad_token_id=eos if eos is not None else 0,
+            output_logits=bool(top),
+            return_dict_in_generate=True,
         )
-        outs.append(y[0, len(ids) :].tolist())
-    return outs
+        outs.append(y.sequences[0, len(ids) :].tolist())
+        if top:
+            tops.append([set(step[0].float().topk(top).indices.tolist()) for step in y.logits])
+    return outs, tops if top else None
+
+
+def hf_reference(hf_model: Any, prompts: list[list[int]], max_tokens: int, ignore_eos: bool) -> list[list[int]]:
+    """HF's greedy continuations alone."""
+    return hf_greedy(hf_model, prompts, max_tokens, ignore_eos)[0]
+
+
+def weft_top(out: RequestOutput, top: int) -> list[set[int]]:
+    """The `top` likeliest tokens at each position weft generated (it was asked for `top` logprobs)."""
+    return [{t for t, lp in entry.items() if lp.rank <= top} for entry in out.outputs[0].logprobs]
 
 
 def run_case(
@@ -144,13 +175,15 @@ def run_case(
     block_size: int = 4,
     ignore_eos: bool = False,
     progress: bool = False,
-    reference: Callable[[list[list[int]]], list[list[int]]] | None = None,
+    reference: Callable[[list[list[int]]], tuple[list[list[int]], list[list[set[int]]] | None]] | None = None,
+    expected_top: list[list[set[int]]] | None = None,
 ) -> CaseResult:
     """Serve `prompts` with a weft `LLM(model)` under `case` and compare each with `expected`.
 
     `model` is what `LLM` takes: a name or directory (weft reads the weights itself, as a user's
     engine would), or the in-memory reference model. `progress`: a bar while generate runs.
-    `reference`: HF's continuations of other prompts, which a second turn needs.
+    `reference`: HF's `hf_greedy` of other prompts, which a second turn needs. `expected_top`: HF's
+    TOP likeliest tokens at each position, for the 16-bit rule (PromptResult.ok); weft then reports its own.
     """
     turns = [prompts]
     if case.second_turn:
@@ -167,7 +200,8 @@ def run_case(
         num_blocks = 2 if contiguous else max(*needs, prompt_blocks)
     else:
         num_blocks = len(prompts) if contiguous else sum(needs)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    top = TOP if expected_top is not None else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, logprobs=top)
     problems = []
     with LLM(
         model,
@@ -186,21 +220,23 @@ def run_case(
             outs = replay_ticks(engine, arrivals)
         else:
             outs = llm.generate(prompts, params, use_tqdm=progress)
-        got = [o.outputs[0].token_ids for o in outs]
         if case.second_turn:
-            follow = second_turn(prompts, got)
+            follow = second_turn(prompts, [o.outputs[0].token_ids for o in outs])
             hits = engine.stats.prefix_cache_hits
             if reference is None:
                 raise ValueError("a second turn needs HF's continuations of its prompts (reference)")
-            expected = expected + expected + reference(follow[len(prompts) :])
-            got += [o.outputs[0].token_ids for o in llm.generate(follow, params, use_tqdm=progress)]
+            more, more_top = reference(follow[len(prompts) :])
+            expected = expected + expected + more
+            expected_top = expected_top + expected_top + more_top if expected_top is not None else None
+            outs += llm.generate(follow, params, use_tqdm=progress)
             if engine.stats.prefix_cache_hits == hits:
                 problems.append("the second turn found nothing in the prefix cache")
         preemptions = engine.stats.num_preemptions
-    result = CaseResult(
-        case, [PromptResult(i, e, g) for i, (e, g) in enumerate(zip(expected, got, strict=True))], preemptions,
-        problems,
-    )  # fmt: skip
+    results = []
+    for i, (e, out) in enumerate(zip(expected, outs, strict=True)):
+        tops = (expected_top[i], weft_top(out, TOP)) if expected_top is not None else (None, None)
+        results.append(PromptResult(i, e, out.outputs[0].token_ids, *tops))
+    result = CaseResult(case, results, preemptions, problems)
     forced = case.pool == "small" and case.scheduler == "continuous" and not contiguous and not case.midflight
     if forced and result.preemptions == 0:
         result.problems.append(f"a pool of {num_blocks} blocks forced no preemption")
@@ -214,6 +250,8 @@ def report_lines(result: CaseResult, decode) -> Iterator[str]:
         at = p.divergence
         if at is None:
             yield f"{head} OK ({len(p.got)} tokens)"
+        elif p.ok:
+            yield f"{head} OK (token-exact for {at} tokens, then each side's pick in the other's top {TOP})"
         else:
             yield (f"{head} FAIL at token {at}: hf={decode(p.expected[at:])!r} weft={decode(p.got[at:])!r}")
     for problem in result.problems:

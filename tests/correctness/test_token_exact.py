@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from weft.attention import available_backends
-from weft.conformance import CHUNK, Case, hf_reference, run_case, standard_cases
+from weft.conformance import CHUNK, Case, hf_greedy, run_case, standard_cases
 from weft.inference.scheduler import SCHEDULERS
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
@@ -40,7 +40,7 @@ def check(model: str, case: Case, reference, device) -> None:
         "float32",
         device,
         ignore_eos=ref.ignore_eos,
-        reference=lambda prompts: hf_reference(ref.hf_model, prompts, ref.max_tokens, ref.ignore_eos),
+        reference=lambda prompts: hf_greedy(ref.hf_model, prompts, ref.max_tokens, ref.ignore_eos),
     )
     mismatches = {p.index: p.divergence for p in result.prompts if p.divergence is not None}
     assert not mismatches, f"prompt -> first diverging token: {mismatches}"
