@@ -47,7 +47,9 @@ def serve(url: str, model: str, workload: workloads.Workload, rate: float, sizes
     return result
 
 
-def record(benchmark, result: dict, workload: workloads.Workload, sizes, device, **identity: object) -> None:
+def record(
+    benchmark, keep_so_far, result: dict, workload: workloads.Workload, sizes, device, **identity: object
+) -> None:
     rate = result["request_rate"]
     benchmark.extra_info.update({
         "experiment": "e9", **identity, "model": sizes.model, "dtype": sizes.dtype, "gpu": device_name(device),
@@ -55,6 +57,7 @@ def record(benchmark, result: dict, workload: workloads.Workload, sizes, device,
         "output_tok_s": result["output_throughput"], "makespan_s": result["duration_s"],
         **{k: v for k, v in result.items() if k != "errors"}, "request_rate": rate,
     })  # fmt: skip
+    keep_so_far()  # a curve is long: keep each rate's figures even if the session is cut short
 
 
 # ---- weft ---------------------------------------------------------------------------------------------
@@ -88,16 +91,16 @@ def e9_server(e9_attention, sizes, e9_standard, e9_curve, device):
         yield config, url
 
 
-def test_e9_standard_at_rate_inf(benchmark, sizes, e9_standard, e9_server, device):
+def test_e9_standard_at_rate_inf(benchmark, keep_so_far, sizes, e9_standard, e9_server, device):
     config, url = e9_server
     result = benchmark.pedantic(serve, args=(url, "e9", e9_standard, math.inf, sizes, "token_ids"), rounds=1)
-    record(benchmark, result, e9_standard, sizes, device, server="weft serve", **weft_identity(config))
+    record(benchmark, keep_so_far, result, e9_standard, sizes, device, server="weft serve", **weft_identity(config))
 
 
-def test_e9_weft_curve(benchmark, sizes, e9_curve, e9_server, e9_rate, device):
+def test_e9_weft_curve(benchmark, keep_so_far, sizes, e9_curve, e9_server, e9_rate, device):
     config, url = e9_server
     result = benchmark.pedantic(serve, args=(url, "e9", e9_curve, e9_rate, sizes, "token_ids"), rounds=1)
-    record(benchmark, result, e9_curve, sizes, device, server="weft serve", **weft_identity(config))
+    record(benchmark, keep_so_far, result, e9_curve, sizes, device, server="weft serve", **weft_identity(config))
 
 
 # ---- the peer -----------------------------------------------------------------------------------------
@@ -116,8 +119,8 @@ def e9_peer(tmp_path_factory, sizes, e9_curve, device):
         yield str(checkpoint), url
 
 
-def test_e9_peer_curve(benchmark, sizes, e9_curve, e9_peer, e9_rate, device):
+def test_e9_peer_curve(benchmark, keep_so_far, sizes, e9_curve, e9_peer, e9_rate, device):
     model, url = e9_peer
     result = benchmark.pedantic(serve, args=(url, model, e9_curve, e9_rate, sizes, "words"), rounds=1)
-    record(benchmark, result, e9_curve, sizes, device, server="transformers serve", config="hf_serve",
+    record(benchmark, keep_so_far, result, e9_curve, sizes, device, server="transformers serve", config="hf_serve",
            engine="hf_serve", scheduler="continuous", attention="hf")
