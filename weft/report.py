@@ -195,7 +195,23 @@ def goodput_ratios(served: pd.DataFrame) -> list[str]:
     return lines
 
 
-NOTES: dict[str, Callable[[pd.DataFrame], list[str]]] = {"e4": clock_notes, "e9": serving_notes}
+def prefix_cache_notes(df: pd.DataFrame) -> list[str]:
+    """e11: TTFT p50 without the cache over with it, and output tok/s with it over without, per workload."""
+    notes = []
+    for workload, runs in df.groupby("workload"):
+        on, off = runs[runs["prefix_caching"] == True], runs[runs["prefix_caching"] == False]  # noqa: E712
+        if len(on) == 1 and len(off) == 1:
+            on, off = on.iloc[0], off.iloc[0]
+            ttft, tok_s = off.ttft_p50_s / on.ttft_p50_s, on.output_tok_s / off.output_tok_s
+            notes.append(f"{workload}: TTFT p50 without ÷ with the cache: {off.ttft_p50_s:.3f} ÷ {on.ttft_p50_s:.3f} s"
+                         f" = {ttft:.2f}×; output tok/s with ÷ without:"
+                         f" {on.output_tok_s:,.0f} ÷ {off.output_tok_s:,.0f} = {tok_s:.2f}×.")
+    return notes
+
+
+NOTES: dict[str, Callable[[pd.DataFrame], list[str]]] = {
+    "e4": clock_notes, "e9": serving_notes, "e11": prefix_cache_notes,
+}
 
 
 def experiment_notes(experiment: str, df: pd.DataFrame) -> str:

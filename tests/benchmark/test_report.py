@@ -407,3 +407,16 @@ def test_e9_pairs_by_workload_and_sets_weft_beside_the_peer(tmp_path):
     assert {"weft serve (continuous×triton)", "transformers serve (hf_serve)"} <= legend
     drawn = {float(y) for line in fig.axes[2].get_lines() for y in line.get_ydata()}
     assert {200.0, 400.0, 20.0, 30.0} <= drawn and 950.0 not in drawn  # the standard workload's point is not
+
+
+def test_e11_sets_the_cache_off_beside_on(tmp_path):
+    rows = [serving("e11", "continuous×triton", prefix_caching=True, workload="shared", ttft_p50_s=0.2,
+                    output_tok_s=7000.0, prefix_cache_hit_rate=0.86, name="test_e11_shared_prefix[cache]"),
+            serving("e11", "continuous×triton, no prefix cache", prefix_caching=False, workload="shared",
+                    ttft_p50_s=0.9, output_tok_s=3500.0, prefix_cache_hit_rate=0.0,
+                    name="test_e11_shared_prefix[nocache]")]
+    write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", rows, "2026-11-29T10:00:00")
+    assert run_report(tmp_path) == 0
+    e11 = (tmp_path / "out" / "README.md").read_text().split("## e11:")[1]
+    assert ("shared: TTFT p50 without ÷ with the cache: 0.900 ÷ 0.200 s = 4.50×; output tok/s with ÷ without:"
+            " 7,000 ÷ 3,500 = 2.00×.") in e11
