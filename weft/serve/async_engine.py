@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from weft.inference.config import EngineConfig
 from weft.inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from weft.inference.params import SamplingParams
+from weft.inference.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +139,20 @@ class AsyncEngine:
         self.streams[request_id] = stream
         self.sent += 1
         self._send(("add", request_id, prompt, params, label))
-        finished = False
+        finished, held = False, None
         try:
             while True:
-                item = await stream.get()
+                item, held = (held, None) if held is not None else (await stream.get(), None)
                 if isinstance(item, BaseException):
                     raise item
+                # a consumer that fell behind the engine takes every output waiting as one (deltas joined, else
+                # the newest): a chunk costs the server the same whatever it carries, so it catches up
+                while not item.finished and not stream.empty():
+                    later = stream.get_nowait()
+                    if isinstance(later, BaseException):
+                        held = later
+                        break
+                    item = joined(item, later) if params.output_kind == RequestOutputKind.DELTA else later
                 finished = item.finished
                 yield item
                 if finished:
@@ -210,6 +218,16 @@ class AsyncEngine:
 
 
 _NO_METRICS = RequestMetrics(0.0)  # pieces before the last carry no timings
+
+
+def joined(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two successive DELTA outputs of one request as one: tokens, text and logprobs in order, the
+    later one's finish and timings."""
+    a, b = first.outputs[0], later.outputs[0]
+    logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else None
+    completion = CompletionOutput(0, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason, b.stop_reason,
+                                  logprobs)
+    return RequestOutput(first.request_id, None, first.prompt_token_ids, [completion], later.finished, later.metrics)
 
 
 # ---- the engine process -----------------------------------------------------------------------------
