@@ -44,3 +44,25 @@ def test_num_decodes_counts_the_leading_one_token_requests(new_tokens, num_decod
     assert meta.num_decodes == num_decodes
     assert meta.is_decode == (num_decodes == len(new_tokens))
     assert meta.query_start_loc.diff().tolist() == new_tokens
+
+
+def test_each_new_token_gets_its_slot_position_and_row():
+    """Chunks that start and end mid-block, a decode, a request with more blocks than the others: every
+    new token's cache slot is its block's id x P + its offset, and the tables are padded to the widest."""
+    attn = PagedBackend(CFG, 64, P, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model=None, attn=attn, device=torch.device("cpu"))
+    batch = ScheduledBatch()
+    spans = [(9, 8), (6, 3), (13, 0)]  # (tokens known, tokens computed before this step)
+    for i, (n, computed) in enumerate(spans):
+        batch.add(sequence(i, n, computed), n - computed)
+    x = runner.prepare(batch)
+    want_slots, want_pos, want_ids = [], [], []
+    for i, (n, computed) in enumerate(spans):
+        want_pos += range(computed, n)
+        want_ids += range(computed, n)  # sequence() makes token p the id p
+        want_slots += [(10 * i + p // P) * P + p % P for p in range(computed, n)]
+    assert x.meta.slot_mapping.tolist() == want_slots and x.meta.slot_mapping.dtype == torch.int64
+    assert x.positions.tolist() == want_pos and x.input_ids.tolist() == want_ids
+    assert x.meta.context_lens.tolist() == [9, 6, 13] and x.meta.context_lens.dtype == torch.int32
+    assert x.meta.block_tables.tolist() == [[0, 1, 2, 0], [10, 11, 0, 0], [20, 21, 22, 23]]
+    assert x.sample_rows.tolist() == [0, 3, 16]  # each request's last new token

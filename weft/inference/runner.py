@@ -1,15 +1,17 @@
 """ModelRunner: one forward pass for a scheduled batch.
 
 It flattens the batch into T_total tokens and builds the attention metadata once per
-step (host lists -> one transfer per tensor), runs the model (a decode step from a CUDA
+step (host lists -> one transfer), runs the model (a decode step from a CUDA
 graph when it has one), and samples one token for every sequence whose known tokens are
 all in the cache after this step.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from weft.attention.base import AttentionBackend, AttentionMetadata
@@ -53,10 +55,10 @@ class ModelRunner:
         self.graphs = graphs  # decode steps replayed from CUDA graphs captured over `attn`
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        P = self.attn.block_size
+        """The step's inputs, built from per-request slices (no loop over tokens) and sent to the device
+        in one copy."""
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         starts, context_lens, sample_rows, sampling = [0], [], [], []
         prompt_rows, prompt_targets, prompt_owners = [], [], []
         for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -69,33 +71,34 @@ class ModelRunner:
                     prompt_owners.append(seq)
             input_ids += seq.token_ids[begin:end]
             positions += range(begin, end)
-            slots += (seq.block_table[p // P] * P + p % P for p in range(begin, end))
             starts.append(starts[-1] + T)
             context_lens.append(end)
             if end == seq.num_tokens:
                 sample_rows.append(starts[-1] - 1)
                 sampling.append(seq)
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        B, T_total, width = len(batch), len(input_ids), max(len(seq.block_table) for seq in batch.seqs)
+        tables = (seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs)
+        # numpy reads the lists ~3x faster than torch.tensor, and looks up each new token's cache slot
+        # in its request's block table without a loop over tokens
+        ints = np.fromiter(itertools.chain(input_ids, positions, starts, context_lens, sample_rows, *tables), np.int64)
+        P, pos = self.attn.block_size, ints[T_total : 2 * T_total]
+        owner = np.repeat(np.arange(B), batch.num_new_tokens)
+        slots = ints[-B * width :].reshape(B, width)[owner, pos // P] * P + pos % P
+        host = torch.from_numpy(np.concatenate([ints, slots]))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        ids, pos_d, starts_d, lens_d, rows_d, tables_d, slots_d = host.to(self.device, non_blocking=True).split(
+            [T_total, T_total, B + 1, B, len(sample_rows), B * width, T_total])
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            query_start_loc=self._tensor(starts, torch.int32),
-            context_lens=self._tensor(context_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
+            slot_mapping=slots_d,
+            query_start_loc=starts_d.to(torch.int32),
+            context_lens=lens_d.to(torch.int32),
+            block_tables=tables_d.view(B, width).to(torch.int32),
             max_query_len=max(batch.num_new_tokens),
             max_context_len=max(context_lens),
-            num_decodes=next((i for i, T in enumerate(batch.num_new_tokens) if T != 1), len(batch)),
+            num_decodes=next((i for i, T in enumerate(batch.num_new_tokens) if T != 1), B),
         )
-        return StepInputs(
-            self._tensor(input_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            meta,
-            self._tensor(sample_rows, torch.int64),
-            sampling,
-            prompt_rows,
-            prompt_targets,
-            prompt_owners,
-        )
+        return StepInputs(ids, pos_d, meta, rows_d, sampling, prompt_rows, prompt_targets, prompt_owners)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
