@@ -1,4 +1,5 @@
-"""e2: throughput against batch size (all requests at tick 0), with HF generate."""
+"""e2: throughput against batch size (all requests at tick 0), with HF generate: eager, and on its fast path
+(the static cache, whose forward it compiles on a GPU)."""
 
 import pytest
 
@@ -7,7 +8,9 @@ from weft.benchmark.runner import RunConfig
 
 pytestmark = pytest.mark.perf
 
-CONFIGS = [RunConfig(attention=a) for a in ("paged", "triton")] + [RunConfig(engine="hf_generate")]
+CONFIGS = [RunConfig(attention=a) for a in ("paged", "triton")] + [
+    RunConfig(engine=e) for e in ("hf_generate", "hf_generate_static")
+]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.id)

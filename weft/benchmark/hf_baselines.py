@@ -2,7 +2,9 @@
 
 - `HFGenerate`: `model.generate`, static batching: left-padded batches, each running until
   its longest request is done. A request gets its own first `max_tokens` tokens, timed as
-  they streamed out; the padding work is the baseline's cost, not counted as output.
+  they streamed out; the padding work is the baseline's cost, not counted as output. With
+  `static`, HF's fast path: `cache_implementation="static"`, whose forward `generate` compiles
+  with torch.compile on a GPU (the warm-up run, of the same shapes, pays for the compilation).
 - `HFContinuousBatching`: transformers' own continuous batching (the manager that
   `generate_batch` drives). `generate_batch` takes one `max_new_tokens` for all requests,
   so requests are added to the manager directly, each with its own. The manager lives as
@@ -63,14 +65,21 @@ class StepClock(BaseStreamer):
 
 
 class HFGenerate:
-    def __init__(self, model: PreTrainedModel, batch_size: int | None, device: torch.device) -> None:
+    def __init__(
+        self, model: PreTrainedModel, batch_size: int | None, device: torch.device, static: bool = False
+    ) -> None:
         self.model = model
         self.batch_size = batch_size  # None: the whole workload in one batch
         self.device = device
+        self.static = static
         self.used_batch_size: int | None = None
 
+    @property
+    def name(self) -> str:
+        return "hf_generate_static" if self.static else "hf_generate"
+
     def serve(self, workload: Workload) -> Served:
-        _require_offline(workload, "hf_generate")
+        _require_offline(workload, self.name)
         size = self.used_batch_size = self.batch_size or len(workload)
         outputs: list[RequestOutput] = []
         with measure(self.device) as window:
@@ -91,6 +100,7 @@ class HFGenerate:
             do_sample=False,
             pad_token_id=PAD_TOKEN_ID,
             eos_token_id=[],  # no EOS: None would fall back to the model's own
+            cache_implementation="static" if self.static else None,
         )
         clock = StepClock()
         out = self.model.generate(
@@ -107,7 +117,7 @@ class HFGenerate:
 
     def describe(self) -> dict[str, object]:
         return {
-            "engine": "hf_generate",
+            "engine": self.name,
             "scheduler": "static",
             "attention": self.model.config._attn_implementation,
             "pool_blocks": None,

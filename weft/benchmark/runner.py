@@ -25,7 +25,7 @@ from weft.inference.config import EngineConfig, check_names
 from weft.inference.engine import LLMEngine
 from weft.inference.params import SamplingParams
 
-ENGINES = ("weft", "hf_generate", "hf_generate_batch")
+ENGINES = ("weft", "hf_generate", "hf_generate_static", "hf_generate_batch")
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class RunConfig:
     block_size: int = 16
     pool_fraction: float = 1.0  # paged/triton pool, as a fraction of what holds every request at once
     max_num_seqs: int | None = None  # None: every request of the workload may run at once
-    hf_batch_size: int | None = None  # hf_generate: requests per padded batch; None: all in one
+    hf_batch_size: int | None = None  # hf_generate(_static): requests per padded batch; None: all in one
     prefix_caching: bool | None = None  # weft's enable_prefix_caching; None: its default (on where it can be)
     max_num_batched_tokens: int | None = None  # weft's step budget; None: the workload's prompts, all in a step
 
@@ -160,8 +160,8 @@ def make_server(
     """`hf_cb_config` sizes hf_generate_batch's cache (None: transformers' defaults)."""
     if config.engine == "weft":
         return WeftServer(model, config, workload, dtype, device)
-    if config.engine == "hf_generate":
-        return HFGenerate(model, config.hf_batch_size, device)
+    if config.engine in ("hf_generate", "hf_generate_static"):
+        return HFGenerate(model, config.hf_batch_size, device, static=config.engine == "hf_generate_static")
     return HFContinuousBatching(model, workload, device, hf_cb_config)
 
 
