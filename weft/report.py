@@ -81,6 +81,7 @@ TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns
                         "peak_mem_bytes", "incomplete_requests"]),
     "e11": (["config"], ["ttft_p50_s", "ttft_p99_s", "itl_p50_s", "makespan_s", "output_tok_s",
                          "prefix_cache_hit_rate"]),
+    "e12": (["workload", "config"], ["output_tok_s", "itl_p50_s", "ttft_p50_s", "makespan_s", "steps"]),
     "e9": (["server", "config", "workload", "request_rate"],
            ["median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_tok_s",
             "request_goodput"]),
@@ -209,8 +210,23 @@ def prefix_cache_notes(df: pd.DataFrame) -> list[str]:
     return notes
 
 
+def ablation_notes(df: pd.DataFrame) -> list[str]:
+    """e12: each configuration's output tok/s and ITL p50 over the engine defaults', per workload."""
+    notes = []
+    for workload, runs in df.groupby("workload"):
+        base = runs[~runs["config"].str.contains(", no ")]
+        if len(base) != 1:
+            continue
+        b = base.iloc[0]
+        cells = [f"{r.config.split(', ', 1)[1]}: {r.output_tok_s / b.output_tok_s:.2f}× the output tok/s,"
+                 f" {r.itl_p50_s / b.itl_p50_s:.2f}× the ITL p50" for r in runs.itertuples() if ", no " in r.config]
+        if cells:
+            notes.append(f"{workload}, against {b.config} with the engine's defaults: " + "; ".join(cells) + ".")
+    return notes
+
+
 NOTES: dict[str, Callable[[pd.DataFrame], list[str]]] = {
-    "e4": clock_notes, "e9": serving_notes, "e11": prefix_cache_notes,
+    "e4": clock_notes, "e9": serving_notes, "e11": prefix_cache_notes, "e12": ablation_notes,
 }
 
 

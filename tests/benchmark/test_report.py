@@ -420,3 +420,15 @@ def test_e11_sets_the_cache_off_beside_on(tmp_path):
     e11 = (tmp_path / "out" / "README.md").read_text().split("## e11:")[1]
     assert ("shared: TTFT p50 without ÷ with the cache: 0.900 ÷ 0.200 s = 4.50×; output tok/s with ÷ without:"
             " 7,000 ÷ 3,500 = 2.00×.") in e11
+
+
+def test_e12_divides_each_ablation_by_the_defaults(tmp_path):
+    rows = [serving("e12", f"continuous×triton{off}", workload="w", output_tok_s=tok_s, itl_p50_s=itl, steps=9,
+                    name=f"test_e12_ablation[w{off}]")
+            for off, tok_s, itl in (("", 1000.0, 0.010), (", no CUDA graphs", 250.0, 0.040),
+                                    (", no chunked prefill", 800.0, 0.011))]
+    write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", rows, "2026-11-29T10:00:00")
+    assert run_report(tmp_path) == 0
+    e12 = (tmp_path / "out" / "README.md").read_text().split("## e12:")[1]
+    assert ("w, against continuous×triton with the engine's defaults: no CUDA graphs: 0.25× the output tok/s,"
+            " 4.00× the ITL p50; no chunked prefill: 0.80× the output tok/s, 1.10× the ITL p50.") in e12

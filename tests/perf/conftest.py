@@ -83,6 +83,8 @@ class Sizes:
     e11_budget: int  # max_num_batched_tokens: the engine's default, so a group's first prompts go in first
     hf_batch_size: int | None  # hf_generate's padded batch on e8 (None: all requests in one)
     hf_cb_config: dict | None  # ContinuousBatchingConfig fields for hf_generate_batch (None: its defaults)
+    e12_prompt_len: int  # the ablation's batch-1 request (its other workload is e8's)
+    e12_new_tokens: int
 
 
 CUDA_SIZES = Sizes(
@@ -130,6 +132,8 @@ CUDA_SIZES = Sizes(
     # One padded batch of 256 costs about as many steps as one of 64 (the longest output sets both).
     hf_batch_size=None,
     hf_cb_config=None,
+    e12_prompt_len=256,
+    e12_new_tokens=128,
 )
 CPU_SIZES = Sizes(
     dtype="float32",
@@ -173,6 +177,8 @@ CPU_SIZES = Sizes(
     e11_budget=48,
     hf_batch_size=None,
     hf_cb_config=dict(num_blocks=16, max_batch_tokens=256),  # its defaults take the RAM
+    e12_prompt_len=16,
+    e12_new_tokens=16,
 )
 SIZES = CUDA_SIZES if HAS_CUDA else CPU_SIZES
 

@@ -28,6 +28,7 @@ EXPERIMENTS = {
     "e8": "standard workload",
     "e9": "serving over HTTP",
     "e11": "shared-prefix workload, prefix cache on and off",
+    "e12": "ablation: each optimization off in turn",
 }
 IDENTITY = ("experiment", "gpu", "git_sha")  # what every record must say about itself
 # e9's latency fields (ms, as vLLM's `bench serve` names them) <- the same of weft's serving metrics (s)

@@ -41,6 +41,8 @@ class RunConfig:
     hf_batch_size: int | None = None  # hf_generate(_static): requests per padded batch; None: all in one
     prefix_caching: bool | None = None  # weft's enable_prefix_caching; None: its default (on where it can be)
     max_num_batched_tokens: int | None = None  # weft's step budget; None: the workload's prompts, all in a step
+    chunked_prefill: bool = True  # weft's enable_chunked_prefill
+    cuda_graphs: bool = True  # False: weft's enforce_eager
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -52,16 +54,19 @@ class RunConfig:
 
     @property
     def label(self) -> str:
-        """'continuous×triton' for weft (', no prefix cache' when it is turned off), the engine name for the
-        HF baselines."""
+        """'continuous×triton' for weft (', no prefix cache' and the like for what is turned off), the engine
+        name for the HF baselines."""
         if self.engine != "weft":
             return self.engine
-        return f"{self.scheduler}×{self.attention}" + (", no prefix cache" if self.prefix_caching is False else "")
+        off = [name for name, on in (("chunked prefill", self.chunked_prefill), ("CUDA graphs", self.cuda_graphs),
+                                     ("prefix cache", self.prefix_caching is not False)) if not on]
+        return f"{self.scheduler}×{self.attention}" + "".join(f", no {name}" for name in off)
 
     @property
     def id(self) -> str:
         """The label as a pytest id (ASCII)."""
-        return self.label.replace("×", "-").replace(", no prefix cache", "-nocache")
+        return (self.label.replace("×", "-").replace(", no prefix cache", "-nocache")
+                .replace(", no chunked prefill", "-nochunks").replace(", no CUDA graphs", "-eager"))
 
 
 class Server(Protocol):
@@ -108,6 +113,8 @@ class WeftServer:
             max_num_batched_tokens=config.max_num_batched_tokens or workload.input_tokens,
             max_model_len=workload.max_len,
             enable_prefix_caching=config.prefix_caching,
+            enable_chunked_prefill=config.chunked_prefill,
+            enforce_eager=not config.cuda_graphs,
             dtype=dtype,
             device=device,
         )

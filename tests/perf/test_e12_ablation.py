@@ -1,0 +1,26 @@
+"""e12: the ablation. continuous x the configured backend with the engine's defaults (chunked prefill
+at its 8,192-token budget, CUDA graphs for decode steps, prefix caching), then each turned off in turn:
+its share of e8's throughput and of a lone request's ITL (the report divides each by the defaults')."""
+
+import pytest
+
+from weft.benchmark import workloads
+from weft.benchmark.runner import RunConfig
+from weft.inference.config import CHUNKED_BUDGET
+
+pytestmark = pytest.mark.perf
+
+OFF = {"defaults": {}, "nochunks": dict(chunked_prefill=False), "eager": dict(cuda_graphs=False),
+       "nocache": dict(prefix_caching=False)}
+
+
+@pytest.mark.parametrize("off", OFF)
+@pytest.mark.parametrize("shape", ["e8", "batch1"])
+def test_e12_ablation(run_benchmark, sizes, model_for, shape, off):
+    vocab = model_for(sizes.model, sizes.dtype).config.vocab_size
+    if shape == "e8":
+        workload = workloads.standard(vocab, sizes.e8_requests, sizes.e8_lengths)
+    else:
+        workload = workloads.fixed(1, sizes.e12_prompt_len, sizes.e12_new_tokens, vocab)
+    config = RunConfig(attention=sizes.attention, max_num_batched_tokens=CHUNKED_BUDGET, **OFF[off])
+    run_benchmark("e12", config, workload, model=sizes.model)
