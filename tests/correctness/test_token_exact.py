@@ -8,6 +8,7 @@ import torch
 from weft.attention import available_backends
 from weft.conformance import CHUNK, Case, hf_greedy, run_case, standard_cases
 from weft.inference.scheduler import SCHEDULERS
+from weft.layers import fused
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
 pytestmark = pytest.mark.correctness
@@ -59,3 +60,11 @@ def test_matches_hf(name, case, reference, device):
 def test_real_weights_match_hf(case, reference, device):
     """The gate's own cases (what main.py runs), on the packaged SmolLM2's real weights."""
     check(DEFAULT_MODEL, case, reference, device)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_the_layer_kernels_match_hf(name, reference, device, monkeypatch):
+    """The layers through weft/layers/fused.py's kernels (on the CPU: in Triton's interpreter), prompts
+    prefilled in chunks and then decoded: the same tokens as HF."""
+    monkeypatch.setattr(fused, "on_kernels", lambda x: True)
+    check(name, Case("paged", "continuous", budget=CHUNK), reference, device)

@@ -48,9 +48,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.E, cfg.rms_eps)
         self.mlp = SwiGLU(cfg.E, cfg.intermediate, cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend, step: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn: AttentionBackend, step: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last layer's output, residual: the residual stream before it (None at layer 0), both
+        [T_total, E] -> (this layer's output, the stream before it): each add is the next norm's."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, rope, attn, step), residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -65,11 +73,11 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, step: Any
     ) -> torch.Tensor:
         """input_ids, positions [T_total] -> hidden [T_total, E]"""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, attn, step)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, attn, step)
+        return self.norm.add(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

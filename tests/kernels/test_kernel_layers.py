@@ -1,0 +1,82 @@
+"""The layer kernels (weft/layers/fused.py) against float64 references, and against the PyTorch ops the
+layers run off CUDA: residual add + RMSNorm, on hidden rows and on per-head rows of a strided q, and
+SiLU(gate) x up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from weft.layers.fused import add_rms_norm, silu_and_mul
+
+pytestmark = pytest.mark.kernels
+
+CPU_DTYPES = [torch.float32]  # the interpreter computes 16-bit types wrongly
+GPU_DTYPES = [pytest.param(d, marks=pytest.mark.gpu) for d in (torch.float32, torch.bfloat16, torch.float16)]
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}  # relative to each row's scale
+EPS = 1e-6
+
+
+def rms_reference(s: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x = s.double()
+    return w.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-3)
+    return bool(((got.double() - want) / scale).abs().max() <= TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
+@pytest.mark.parametrize(("T", "DIM"), [(1, 64), (7, 48), (5, 576), (3, 1024)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add-norm"])
+def test_add_rms_norm(device, dtype, T, DIM, with_residual):
+    g = torch.Generator().manual_seed(T * DIM)
+    x = (3 * torch.randn(T, DIM, generator=g)).to(dtype).to(device)
+    residual = torch.randn(T, DIM, generator=g).to(dtype).to(device) if with_residual else None
+    w = (1 + torch.randn(DIM, generator=g)).to(dtype).to(device)
+    out, s = add_rms_norm(x, w, EPS, residual)
+    want_s = x if residual is None else x + residual  # rounded to dtype, as the kernel's sum must be
+    assert s.dtype == out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(s, want_s)
+    assert close(out, rms_reference(want_s, w), dtype)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
+def test_rms_norm_of_the_heads_of_a_strided_q(device, dtype):
+    """Qwen3's q_norm: rows of D inside qkv's rows, H_q of them per token."""
+    T, H_q, H_kv, D = 5, 3, 1, 48
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(T, (H_q + 2 * H_kv) * D, generator=g).to(dtype).to(device)
+    q = qkv[:, : H_q * D].view(T, H_q, D)
+    w = (1 + torch.randn(D, generator=g)).to(dtype).to(device)
+    out, _ = add_rms_norm(q, w, EPS)
+    assert out.shape == (T, H_q, D) and out.is_contiguous()
+    assert close(out, rms_reference(q, w), dtype)
+
+
+def test_the_kernel_matches_the_layers_pytorch_ops_in_float32(device):
+    """What the layers compute off CUDA is what the kernel computes on it, to float32's last bits."""
+    from weft.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(6, 576, generator=g), torch.randn(6, 576, generator=g)
+    norm = RMSNorm(576, EPS)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(576, generator=g))
+        want, want_s = norm.add(x, residual)  # the CPU's PyTorch path
+        got, s = add_rms_norm(x.to(device), norm.weight.to(device), EPS, residual.to(device))
+    assert torch.equal(s.cpu(), want_s)
+    assert torch.allclose(got.cpu(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
+@pytest.mark.parametrize(("T", "inter"), [(1, 48), (4, 1536), (3, 2050)])
+def test_silu_and_mul(device, dtype, T, inter):
+    g = torch.Generator().manual_seed(inter)
+    gate_up = (2 * torch.randn(T, 2 * inter, generator=g)).to(dtype).to(device)
+    out = silu_and_mul(gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    assert out.shape == (T, inter) and out.dtype == dtype
+    assert close(out, F.silu(gate) * up, dtype)

@@ -1,0 +1,87 @@
+"""Triton kernels for the layers around attention, so that a decode step is a few kernels per layer:
+the residual add with the RMSNorm after it, and SiLU(gate) x up. The layers (norm.py, mlp.py) call
+them on CUDA and compute the same in PyTorch ops elsewhere, as HF does.
+
+Each rounds where PyTorch rounds: the residual sum and the normalized value are rounded to the
+activations' dtype before the weight multiplies (HF: `weight * x.to(input_dtype)`), and SiLU's
+result before the multiply by up; sums of squares accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def on_kernels(x: torch.Tensor) -> bool:
+    """Whether the layers run `x` through these kernels: on CUDA (a test turns it on for the CPU, where the
+    kernels run in Triton's interpreter)."""
+    return x.is_cuda
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, H, eps,
+    stride_xt, stride_xh, stride_rt,
+    DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # row t * H + h of x [T, H, DIM]
+    t, h = row // H, row % H
+    col = tl.arange(0, BLOCK)
+    mask = col < DIM
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + col, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # H == 1: the hidden state's rows
+        x = (x.to(tl.float32) + tl.load(residual_ptr + t * stride_rt + col, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * DIM + col, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / DIM + eps)
+    y = (xf * inv).to(out_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + col, mask=mask, other=0.0)
+    tl.store(out_ptr + row * DIM + col, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, DIM] or [T, H, DIM] (rows of DIM contiguous), weight [DIM], residual [T, DIM] or None ->
+    (RMSNorm(s) * weight, s) with s = x + residual (rounded to x's dtype), or x when residual is None;
+    both contiguous, of x's shape and dtype."""
+    view = x if x.dim() == 3 else x[:, None, :]
+    T, H, DIM = view.shape
+    assert view.stride(2) == 1 and weight.shape == (DIM,), "each row of DIM values must be contiguous"
+    assert residual is None or (H == 1 and residual.shape == x.shape and residual.stride(-1) == 1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(out) if residual is not None else x
+    _add_rms_norm_kernel[(T * H,)](
+        view, residual if residual is not None else view, weight, out, residual_out, H, eps,
+        view.stride(0), view.stride(1), residual.stride(0) if residual is not None else 0,
+        DIM=DIM, BLOCK=triton.next_power_of_2(DIM), HAS_RESIDUAL=residual is not None,
+    )
+    return out, residual_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < INTER
+    gate = tl.load(x_ptr + t * stride_xt + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * stride_xt + INTER + col, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * INTER + col, (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+SILU_BLOCK = 1024  # columns per program
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2 * inter] (gate, then up) -> SiLU(gate) * up [T, inter], of gate_up's dtype."""
+    T, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    assert gate_up.stride(1) == 1, "each row must be contiguous"
+    out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
+    _silu_and_mul_kernel[(T, triton.cdiv(inter, SILU_BLOCK))](gate_up, out, gate_up.stride(0), INTER=inter,
+                                                            BLOCK=SILU_BLOCK)
+    return out
