@@ -1,10 +1,11 @@
 """Triton kernels for the layers around attention, so that a decode step is a few kernels per layer:
-the residual add with the RMSNorm after it, and SiLU(gate) x up. The layers (norm.py, mlp.py) call
-them on CUDA and compute the same in PyTorch ops elsewhere, as HF does.
+the residual add with the RMSNorm after it, RoPE on q and k together, and SiLU(gate) x up. The layers
+(norm.py, rotary.py, mlp.py) call them on CUDA and compute the same in PyTorch ops elsewhere, as HF does.
 
 Each rounds where PyTorch rounds: the residual sum and the normalized value are rounded to the
-activations' dtype before the weight multiplies (HF: `weight * x.to(input_dtype)`), and SiLU's
-result before the multiply by up; sums of squares accumulate in float32.
+activations' dtype before the weight multiplies (HF: `weight * x.to(input_dtype)`), RoPE's two
+products before their sum, and SiLU's result before the multiply by up; sums of squares accumulate in
+float32.
 """
 
 from __future__ import annotations
@@ -85,3 +86,51 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(T, triton.cdiv(inter, SILU_BLOCK))](gate_up, out, gate_up.stride(0), INTER=inter,
                                                             BLOCK=SILU_BLOCK)
     return out
+
+
+@triton.jit
+def _rotate_row(src, dst, cos, sin, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    col = tl.arange(0, BLOCK)
+    mask = col < HALF
+    x1, x2 = tl.load(src + col, mask=mask), tl.load(src + HALF + col, mask=mask)
+    c1, c2 = tl.load(cos + col, mask=mask), tl.load(cos + HALF + col, mask=mask)
+    s1, s2 = tl.load(sin + col, mask=mask), tl.load(sin + HALF + col, mask=mask)
+    dt = dst.dtype.element_ty
+    # x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype as PyTorch rounds them
+    y1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    tl.store(dst + col, y1.to(dt), mask=mask)
+    tl.store(dst + HALF + col, y2.to(dt), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, H_q, H_kv,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)  # heads 0..H_q-1 of q, then the H_kv of k
+    cos, sin = cos_ptr + t * D, sin_ptr + t * D
+    if h < H_q:
+        _rotate_row(q_ptr + t * stride_qt + h * stride_qh, q_out_ptr + (t * H_q + h) * D, cos, sin, HALF, BLOCK)
+    else:
+        hk = h - H_q
+        _rotate_row(k_ptr + t * stride_kt + hk * stride_kh, k_out_ptr + (t * H_kv + hk) * D, cos, sin, HALF, BLOCK)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H_q, D], k [T, H_kv, D] (rows of D contiguous), cos/sin [T, 1, D] of their dtype ->
+    rotated q, k (rotate-half convention), contiguous: both in one launch."""
+    T, H_q, D = q.shape
+    H_kv = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    assert D % 2 == 0 and cos.shape == sin.shape == (T, 1, D)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _rotary_kernel[(T, H_q + H_kv)](
+        q, k, cos, sin, q_out, k_out, H_q, H_kv, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        D=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2),
+    )
+    return q_out, k_out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from weft.layers import fused
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, D: int, theta: float, max_positions: int) -> None:
@@ -24,7 +26,10 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T_total, H_q, D], k [T_total, H_kv, D], cos/sin [T_total, 1, D] -> rotated q, k."""
+    """q [T_total, H_q, D], k [T_total, H_kv, D], cos/sin [T_total, 1, D] -> rotated q, k (on CUDA: one
+    Triton kernel for both, fused.rotary)."""
+    if fused.on_kernels(q):
+        return fused.rotary(q, k, cos, sin)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
