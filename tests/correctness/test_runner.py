@@ -48,7 +48,8 @@ def test_num_decodes_counts_the_leading_one_token_requests(new_tokens, num_decod
 
 def test_each_new_token_gets_its_slot_position_and_row():
     """Chunks that start and end mid-block, a decode, a request with more blocks than the others: every
-    new token's cache slot is its block's id x P + its offset, and the tables are padded to the widest."""
+    new token's cache slot is its block's id x P + its offset, the tables are padded to the widest, and
+    every tensor starts 16-byte aligned."""
     attn = PagedBackend(CFG, 64, P, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model=None, attn=attn, device=torch.device("cpu"))
     batch = ScheduledBatch()
@@ -66,3 +67,5 @@ def test_each_new_token_gets_its_slot_position_and_row():
     assert x.meta.context_lens.tolist() == [9, 6, 13] and x.meta.context_lens.dtype == torch.int32
     assert x.meta.block_tables.tolist() == [[0, 1, 2, 0], [10, 11, 0, 0], [20, 21, 22, 23]]
     assert x.sample_rows.tolist() == [0, 3, 16]  # each request's last new token
+    # 17 new tokens: odd parts of the one transfer are padded, so each tensor starts as Triton expects
+    assert all(t.data_ptr() % 16 == 0 for t in (x.input_ids, x.positions, x.meta.slot_mapping, x.sample_rows))

@@ -77,18 +77,24 @@ class ModelRunner:
                 sample_rows.append(starts[-1] - 1)
                 sampling.append(seq)
         B, T_total, width = len(batch), len(input_ids), max(len(seq.block_table) for seq in batch.seqs)
-        tables = (seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs)
-        # numpy reads the lists ~3x faster than torch.tensor, and looks up each new token's cache slot
-        # in its request's block table without a loop over tokens
-        ints = np.fromiter(itertools.chain(input_ids, positions, starts, context_lens, sample_rows, *tables), np.int64)
-        P, pos = self.attn.block_size, ints[T_total : 2 * T_total]
-        owner = np.repeat(np.arange(B), batch.num_new_tokens)
-        slots = ints[-B * width :].reshape(B, width)[owner, pos // P] * P + pos % P
+        tables = itertools.chain.from_iterable(seq.block_table + [0] * (width - len(seq.block_table))
+                                               for seq in batch.seqs)
+        sizes = [T_total, T_total, B + 1, B, len(sample_rows), B * width]
+        parts = (input_ids, positions, starts, context_lens, sample_rows, tables)
+        # numpy reads the lists ~3x faster than torch.tensor; each part is padded to an even length, so that
+        # every view starts 16-byte aligned as the Triton kernels are compiled for (else they compile again)
+        ints = np.fromiter(itertools.chain.from_iterable(itertools.chain(part, [0] * (n % 2))
+                                                         for part, n in zip(parts, sizes, strict=True)), np.int64)
+        at = np.cumsum([0] + [n + n % 2 for n in sizes]).tolist()  # where each part starts; slots after them
+        P, pos = self.attn.block_size, ints[at[1] : at[1] + T_total]
+        owner = np.repeat(np.arange(B), batch.num_new_tokens)  # each new token's request, in order
+        slots = ints[at[5] : at[5] + B * width].reshape(B, width)[owner, pos // P] * P + pos % P
         host = torch.from_numpy(np.concatenate([ints, slots]))
         if self.device.type == "cuda":
             host = host.pin_memory()
-        ids, pos_d, starts_d, lens_d, rows_d, tables_d, slots_d = host.to(self.device, non_blocking=True).split(
-            [T_total, T_total, B + 1, B, len(sample_rows), B * width, T_total])
+        flat = host.to(self.device, non_blocking=True)
+        ids, pos_d, starts_d, lens_d, rows_d, tables_d, slots_d = (
+            flat[i : i + n] for i, n in zip(at, [*sizes, T_total], strict=True))
         meta = AttentionMetadata(
             slot_mapping=slots_d,
             query_start_loc=starts_d.to(torch.int32),

@@ -4,8 +4,9 @@ the residual add with the RMSNorm after it, RoPE on q and k together, and SiLU(g
 
 Each rounds where PyTorch rounds: the residual sum and the normalized value are rounded to the
 activations' dtype before the weight multiplies (HF: `weight * x.to(input_dtype)`), RoPE's two
-products before their sum, and SiLU's result before the multiply by up; sums of squares accumulate in
-float32.
+products before their sum, and SiLU's result before the multiply by up; no multiply-add is fused into one
+rounding (enable_fp_fusion=False). Sums of squares accumulate in float32, in another order than
+PyTorch's mean, and exp is Triton's: float32 results may differ from PyTorch's in the last bits.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def add_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, DIM] or [T, H, DIM] (rows of DIM contiguous), weight [DIM], residual [T, DIM] or None ->
-    (RMSNorm(s) * weight, s) with s = x + residual (rounded to x's dtype), or x when residual is None;
-    both contiguous, of x's shape and dtype."""
+    (RMSNorm(s) * weight, s) with s = x + residual (rounded to x's dtype), or x itself when residual is
+    None; the first (and s, when summed) contiguous, of x's shape and dtype."""
     view = x if x.dim() == 3 else x[:, None, :]
     T, H, DIM = view.shape
     assert view.stride(2) == 1 and weight.shape == (DIM,), "each row of DIM values must be contiguous"
@@ -58,7 +59,7 @@ def add_rms_norm(
     _add_rms_norm_kernel[(T * H,)](
         view, residual if residual is not None else view, weight, out, residual_out, H, eps,
         view.stride(0), view.stride(1), residual.stride(0) if residual is not None else 0,
-        DIM=DIM, BLOCK=triton.next_power_of_2(DIM), HAS_RESIDUAL=residual is not None,
+        DIM=DIM, BLOCK=triton.next_power_of_2(DIM), HAS_RESIDUAL=residual is not None, enable_fp_fusion=False,
     )
     return out, residual_out
 
@@ -70,7 +71,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, INTER: tl.constexpr, BLOCK: 
     mask = col < INTER
     gate = tl.load(x_ptr + t * stride_xt + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + t * stride_xt + INTER + col, mask=mask, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+    act = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(out_ptr.dtype.element_ty)  # `/` rounded as PyTorch's
     tl.store(out_ptr + t * INTER + col, (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
              mask=mask)
 
@@ -84,7 +85,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     assert gate_up.stride(1) == 1, "each row must be contiguous"
     out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
     _silu_and_mul_kernel[(T, triton.cdiv(inter, SILU_BLOCK))](gate_up, out, gate_up.stride(0), INTER=inter,
-                                                            BLOCK=SILU_BLOCK)
+                                                            BLOCK=SILU_BLOCK, enable_fp_fusion=False)
     return out
 
 
@@ -131,6 +132,6 @@ def rotary(
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     _rotary_kernel[(T, H_q + H_kv)](
         q, k, cos, sin, q_out, k_out, H_q, H_kv, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        D=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2),
+        D=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), enable_fp_fusion=False,
     )
     return q_out, k_out
