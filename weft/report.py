@@ -66,6 +66,8 @@ COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "median_ttft_ms": ("TTFT p50 (ms)", _3g), "p99_ttft_ms": ("TTFT p99 (ms)", _3g),
     "median_tpot_ms": ("TPOT p50 (ms)", _3g), "p99_tpot_ms": ("TPOT p99 (ms)", _3g),
     "median_itl_ms": ("ITL p50 (ms)", _3g),
+    "step_ms": ("step (ms)", _3g), "gpu_busy_ms": ("GPU busy (ms)", _3g), "gpu_idle_ms": ("GPU idle (ms)", _3g),
+    "floor_ms": ("floor (ms)", _3g), "floor_ratio": ("GPU busy ÷ floor", _3g),
 }
 TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns, metric columns)
     "e1": (["config", "S"], ["ttft_p50_s", "itl_p50_s", "output_tok_s", "peak_mem_bytes"]),
@@ -81,6 +83,7 @@ TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns
                         "peak_mem_bytes", "incomplete_requests"]),
     "e11": (["config"], ["ttft_p50_s", "ttft_p99_s", "itl_p50_s", "makespan_s", "output_tok_s",
                          "prefix_cache_hit_rate"]),
+    "e13": (["config", "shape", "B"], ["step_ms", "gpu_busy_ms", "gpu_idle_ms", "floor_ms", "floor_ratio"]),
     "e12": (["workload", "config"], ["output_tok_s", "itl_p50_s", "ttft_p50_s", "makespan_s", "steps"]),
     "e9": (["server", "config", "workload", "request_rate"],
            ["median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_tok_s",
@@ -225,8 +228,19 @@ def ablation_notes(df: pd.DataFrame) -> list[str]:
     return notes
 
 
+def profile_notes(df: pd.DataFrame) -> list[str]:
+    """e13: each step's GPU time by kernel class, largest first."""
+    notes = []
+    for r in df.sort_values(["config", "shape"]).itertuples():
+        classes = getattr(r, "gpu_ms_by_class", None)
+        if isinstance(classes, dict) and classes:
+            notes.append(f"{r.config} {r.shape}, GPU ms by kernel class: "
+                         + ", ".join(f"{cls} {ms:.3g}" for cls, ms in classes.items()) + ".")
+    return notes
+
+
 NOTES: dict[str, Callable[[pd.DataFrame], list[str]]] = {
-    "e4": clock_notes, "e9": serving_notes, "e11": prefix_cache_notes, "e12": ablation_notes,
+    "e4": clock_notes, "e9": serving_notes, "e11": prefix_cache_notes, "e12": ablation_notes, "e13": profile_notes,
 }
 
 

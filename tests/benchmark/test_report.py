@@ -432,3 +432,14 @@ def test_e12_divides_each_ablation_by_the_defaults(tmp_path):
     e12 = (tmp_path / "out" / "README.md").read_text().split("## e12:")[1]
     assert ("w, against continuous×triton with the engine's defaults: no CUDA graphs: 0.25× the output tok/s,"
             " 4.00× the ITL p50; no chunked prefill: 0.80× the output tok/s, 1.10× the ITL p50.") in e12
+
+
+def test_e13_shows_busy_idle_floor_and_kernel_classes(tmp_path):
+    rows = [dict(experiment="e13", config="continuous×triton", shape="decode-B", B=256, step_ms=9.0, gpu_busy_ms=8.0,
+                 gpu_idle_ms=1.0, floor_ms=4.0, floor_ratio=2.0, gpu_ms_by_class={"attention": 3.5, "gemm": 3.0},
+                 name="test_e13_step_profile[decode-B]")]
+    write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", rows, "2026-11-29T10:00:00")
+    assert run_report(tmp_path) == 0
+    e13 = (tmp_path / "out" / "README.md").read_text().split("## e13:")[1]
+    assert "| continuous×triton | decode-B | 256 | 9 | 8 | 1 | 4 | 2 |" in e13
+    assert "continuous×triton decode-B, GPU ms by kernel class: attention 3.5, gemm 3." in e13

@@ -85,6 +85,9 @@ class Sizes:
     hf_cb_config: dict | None  # ContinuousBatchingConfig fields for hf_generate_batch (None: its defaults)
     e12_prompt_len: int  # the ablation's batch-1 request (its other workload is e8's)
     e12_new_tokens: int
+    e13_batch: int  # the profiled decode step's requests
+    e13_context: int  # their prompts' tokens
+    e13_prefill: int  # the prompt a mixed step prefills beside them
 
 
 CUDA_SIZES = Sizes(
@@ -134,6 +137,9 @@ CUDA_SIZES = Sizes(
     hf_cb_config=None,
     e12_prompt_len=256,
     e12_new_tokens=128,
+    e13_batch=256,
+    e13_context=576,
+    e13_prefill=512,
 )
 CPU_SIZES = Sizes(
     dtype="float32",
@@ -179,6 +185,9 @@ CPU_SIZES = Sizes(
     hf_cb_config=dict(num_blocks=16, max_batch_tokens=256),  # its defaults take the RAM
     e12_prompt_len=16,
     e12_new_tokens=16,
+    e13_batch=8,
+    e13_context=16,
+    e13_prefill=8,
 )
 SIZES = CUDA_SIZES if HAS_CUDA else CPU_SIZES
 

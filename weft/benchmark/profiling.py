@@ -1,7 +1,9 @@
-"""Where a run's time goes, op by op: torch.profiler's top operators, per engine tick."""
+"""Where a run's time goes: torch.profiler's top operators per engine tick (e7), and a step's wall time,
+GPU busy and idle time and GPU time by kernel class (e13)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -33,3 +35,52 @@ def top_ops(
         {"op": e.key, "calls_per_tick": e.count / n, "self_ms_per_tick": getattr(e, attr) / 1e3 / n}
         for e in events
     ]
+
+
+# A GPU kernel's class, by the first pattern its name contains (lower case); the rest is "other".
+KERNEL_CLASSES = (
+    ("attention", ("_split_kernel", "_merge", "_prefill_kernel", "attention", "flash", "fmha")),
+    ("kv write", ("_write_kernel",)),
+    ("norm", ("rms_norm",)),
+    ("rope", ("_rotary",)),
+    ("activation", ("_silu",)),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "sm90", "splitk")),
+    ("sampling", ("sort", "topk", "argmax", "softmax", "exponential", "max_")),
+    ("copy", ("memcpy", "memset", "copy")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((cls for cls, patterns in KERNEL_CLASSES if any(p in low for p in patterns)), "other")
+
+
+def step_profile(step: Callable[[], object], steps: int, device: torch.device) -> dict[str, object]:
+    """Runs `step` `steps` times under the profiler -> per step: wall ms (host clock, the device synchronized),
+    and on CUDA the ms the GPU was busy (the union of its kernels' intervals), idle (wall - busy) and GPU ms
+    by kernel class (KERNEL_CLASSES)."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    result: dict[str, object] = {"profiled_steps": steps, "step_ms": wall_ms, "gpu_busy_ms": None,
+                                 "gpu_idle_ms": None, "gpu_ms_by_class": None}
+    if not cuda:
+        return result
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA)
+    busy_us, reach = 0.0, float("-inf")
+    by_class: dict[str, float] = {}
+    for begin, end, name in kernels:
+        busy_us += max(0.0, end - max(begin, reach))  # overlapping kernels count once
+        reach = max(reach, end)
+        by_class[kernel_class(name)] = by_class.get(kernel_class(name), 0.0) + (end - begin) / 1e3 / steps
+    busy_ms = busy_us / 1e3 / steps
+    return result | {"gpu_busy_ms": busy_ms, "gpu_idle_ms": max(wall_ms - busy_ms, 0.0),
+                     "gpu_ms_by_class": dict(sorted(by_class.items(), key=lambda kv: -kv[1]))}

@@ -29,6 +29,7 @@ EXPERIMENTS = {
     "e9": "serving over HTTP",
     "e11": "shared-prefix workload, prefix cache on and off",
     "e12": "ablation: each optimization off in turn",
+    "e13": "single steps profiled: GPU busy and idle, time by kernel class, the floor",
 }
 IDENTITY = ("experiment", "gpu", "git_sha")  # what every record must say about itself
 # e9's latency fields (ms, as vLLM's `bench serve` names them) <- the same of weft's serving metrics (s)

@@ -1,0 +1,68 @@
+"""e13: single steps, profiled. A decode step at B=1 and at B=e13_batch (contexts of e13_context tokens),
+and a mixed step (those decodes and one new prompt's prefill): wall time, the GPU's busy and idle time,
+its time by kernel class, and for the decode steps the memory-traffic floor (the weights and every
+context's K/V read once, at the copy bandwidth measured in the same run)."""
+
+import pytest
+import torch
+
+from weft.attention import available_backends
+from weft.benchmark.environment import copy_bandwidth_gbps, device_name, git_sha
+from weft.benchmark.profiling import step_profile
+from weft.inference.config import EngineConfig
+from weft.inference.engine import LLMEngine
+from weft.inference.params import SamplingParams
+from weft.utils import cdiv
+
+pytestmark = pytest.mark.perf
+
+STEPS = 8  # profiled steps
+NEW_TOKENS = 2 + 2 + STEPS  # into decoding, two warm steps, the profiled ones
+
+
+@pytest.mark.parametrize("shape", ["decode-B1", "decode-B", "mixed"])
+def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
+    if sizes.attention not in available_backends(device):
+        pytest.skip(f"{sizes.attention} attention does not serve on {device.type}")
+    B, S, P = 1 if shape == "decode-B1" else sizes.e13_batch, sizes.e13_context, 16
+    longest = max(S, sizes.e13_prefill) + NEW_TOKENS
+    config = EngineConfig(model=model_for(sizes.model, sizes.dtype), attention=sizes.attention, block_size=P,
+                          num_blocks=(B + STEPS) * cdiv(longest, P), max_num_seqs=B + STEPS, max_model_len=longest,
+                          dtype=sizes.dtype, device=device)
+    engine = LLMEngine(config)
+    g = torch.Generator().manual_seed(0)
+    V = engine.model_config.V
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, V, (n,), generator=g).tolist()
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    try:
+        for i in range(B):
+            engine.add_request(f"r{i}", prompt(S), params)
+        while any(len(seq.token_ids) - seq.num_prompt_tokens < 2 for seq in engine.requests.values()):
+            engine.step()  # every request decoding
+        engine.step(), engine.step()
+        added = iter(range(STEPS))
+
+        def step() -> None:
+            if shape == "mixed":
+                engine.add_request(f"new{next(added)}", prompt(sizes.e13_prefill), params)
+            engine.step()
+
+        context = sum(seq.num_tokens for seq in engine.requests.values()) + B * STEPS // 2  # mid-profile
+        result = benchmark.pedantic(step_profile, args=(step, STEPS, device), rounds=1, iterations=1)
+        floor_ms = None
+        if device.type == "cuda" and shape != "mixed":
+            weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+            kv = context * engine.pool.block_bytes // P
+            floor_ms = (weights + kv) / (copy_bandwidth_gbps() * 1e9) * 1e3
+    finally:
+        engine.close()
+    benchmark.extra_info.update({
+        "experiment": "e13", "config": f"{config.scheduler}×{config.attention}", "shape": shape, "B": B,
+        "context": S, "prefill": sizes.e13_prefill if shape == "mixed" else 0, "model": sizes.model,
+        "dtype": sizes.dtype, "gpu": device_name(device), "git_sha": git_sha(), "floor_ms": floor_ms,
+        "floor_ratio": result["gpu_busy_ms"] / floor_ms if floor_ms else None, **result,
+    })  # fmt: skip
+    assert result["step_ms"] > 0
