@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.correctness.faults import OffByOneWrite
 from weft import attention
 from weft.attention import available_backends
-from weft.attention.paged import PagedBackend, write_paged
 from weft.conformance import CHUNK, TOP, Case, PromptResult, conformance_prompts, hf_greedy, run_case
 from weft.inference.scheduler import SCHEDULERS
 from weft.models.loader import reference_model, resolve_model
@@ -41,13 +41,6 @@ def test_bfloat16_is_close_to_hf(name, case, bf16_reference, device):
     prompts, expected, top = bf16_reference(name)
     result = run_case(name, case, prompts, expected, 16, "bfloat16", device, ignore_eos=True, expected_top=top)
     assert result.ok, [(p.index, p.divergence) for p in result.prompts if not p.ok]
-
-
-class OffByOneWrite(PagedBackend):
-    name = "off-by-one"
-
-    def write(self, layer, k, v, step):
-        write_paged(self.kv_cache, layer, k, v, step.meta.slot_mapping + 1)
 
 
 def test_the_rule_fails_a_faulty_cache_write(monkeypatch, bf16_reference, device):

@@ -4,20 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.correctness.faults import OffByOneWrite
 from weft import attention
-from weft.attention.paged import PagedBackend, write_paged
 from weft.conformance import Case, report_lines, run_case
 
 pytestmark = pytest.mark.correctness
-
-
-class OffByOneWrite(PagedBackend):
-    """Writes each token's K/V one slot too far: the bug class paged caches are prone to."""
-
-    name = "off-by-one"
-
-    def write(self, layer, k, v, step):
-        write_paged(self.kv_cache, layer, k, v, step.meta.slot_mapping + 1)
 
 
 def test_faulty_cache_write_is_reported(monkeypatch, reference, device):

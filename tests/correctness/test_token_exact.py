@@ -62,9 +62,8 @@ def test_real_weights_match_hf(case, reference, device):
     check(DEFAULT_MODEL, case, reference, device)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
-def test_the_layer_kernels_match_hf(name, reference, device, monkeypatch):
+def test_the_layer_kernels_match_hf(reference, device, monkeypatch):
     """The layers through weft/layers/fused.py's kernels (on the CPU: in Triton's interpreter), prompts
-    prefilled in chunks and then decoded: the same tokens as HF."""
+    prefilled in chunks and then decoded: the same tokens as HF (tiny-qwen3: its q/k norms too)."""
     monkeypatch.setattr(fused, "on_kernels", lambda x: True)
-    check(name, Case("paged", "continuous", budget=CHUNK), reference, device)
+    check("tiny-qwen3", Case("paged", "continuous", budget=CHUNK), reference, device)
