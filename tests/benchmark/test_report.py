@@ -409,15 +409,20 @@ def test_e9_pairs_by_workload_and_sets_weft_beside_the_peer(tmp_path):
     assert {200.0, 400.0, 20.0, 30.0} <= drawn and 950.0 not in drawn  # the standard workload's point is not
 
 
+def reported_section(tmp_path: Path, rows: list[dict], experiment: str) -> str:
+    """The report's section of `experiment`, from one H200 run of `rows`."""
+    write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", rows, "2026-11-29T10:00:00")
+    assert run_report(tmp_path) == 0
+    return (tmp_path / "out" / "README.md").read_text().split(f"## {experiment}:")[1]
+
+
 def test_e11_sets_the_cache_off_beside_on(tmp_path):
     rows = [serving("e11", "continuous×triton", prefix_caching=True, workload="shared", ttft_p50_s=0.2,
                     output_tok_s=7000.0, prefix_cache_hit_rate=0.86, name="test_e11_shared_prefix[cache]"),
             serving("e11", "continuous×triton, no prefix cache", prefix_caching=False, workload="shared",
                     ttft_p50_s=0.9, output_tok_s=3500.0, prefix_cache_hit_rate=0.0,
                     name="test_e11_shared_prefix[nocache]")]
-    write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", rows, "2026-11-29T10:00:00")
-    assert run_report(tmp_path) == 0
-    e11 = (tmp_path / "out" / "README.md").read_text().split("## e11:")[1]
+    e11 = reported_section(tmp_path, rows, "e11")
     assert ("shared: TTFT p50 without ÷ with the cache: 0.900 ÷ 0.200 s = 4.50×; output tok/s with ÷ without:"
             " 7,000 ÷ 3,500 = 2.00×.") in e11
 
@@ -427,9 +432,7 @@ def test_e12_divides_each_ablation_by_the_defaults(tmp_path):
                     name=f"test_e12_ablation[w{off}]")
             for off, tok_s, itl in (("", 1000.0, 0.010), (", no CUDA graphs", 250.0, 0.040),
                                     (", no chunked prefill", 800.0, 0.011))]
-    write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", rows, "2026-11-29T10:00:00")
-    assert run_report(tmp_path) == 0
-    e12 = (tmp_path / "out" / "README.md").read_text().split("## e12:")[1]
+    e12 = reported_section(tmp_path, rows, "e12")
     assert ("w, against continuous×triton with the engine's defaults: no CUDA graphs: 0.25× the output tok/s,"
             " 4.00× the ITL p50; no chunked prefill: 0.80× the output tok/s, 1.10× the ITL p50.") in e12
 
@@ -438,8 +441,6 @@ def test_e13_shows_busy_idle_floor_and_kernel_classes(tmp_path):
     rows = [dict(experiment="e13", config="continuous×triton", shape="decode-B", B=256, step_ms=9.0, gpu_busy_ms=8.0,
                  gpu_idle_ms=1.0, floor_ms=4.0, floor_ratio=2.0, gpu_ms_by_class={"attention": 3.5, "gemm": 3.0},
                  name="test_e13_step_profile[decode-B]")]
-    write_run(tmp_path / "results", 1, "NVIDIA H200", "abc123", rows, "2026-11-29T10:00:00")
-    assert run_report(tmp_path) == 0
-    e13 = (tmp_path / "out" / "README.md").read_text().split("## e13:")[1]
+    e13 = reported_section(tmp_path, rows, "e13")
     assert "| continuous×triton | decode-B | 256 | 9 | 8 | 1 | 4 | 2 |" in e13
     assert "continuous×triton decode-B, GPU ms by kernel class: attention 3.5, gemm 3." in e13
