@@ -214,10 +214,12 @@ def prefix_cache_notes(df: pd.DataFrame) -> list[str]:
 
 
 def ablation_notes(df: pd.DataFrame) -> list[str]:
-    """e12: each configuration's output tok/s and ITL p50 over the engine defaults', per workload."""
+    """e12: each configuration's output tok/s and ITL p50 over the engine defaults', per workload; a peer's
+    ITL p50 over the defaults'."""
     notes = []
     for workload, runs in df.groupby("workload"):
-        base = runs[~runs["config"].str.contains(", no ")]
+        weft = runs["config"].str.contains("×")
+        base = runs[weft & ~runs["config"].str.contains(", no ")]
         if len(base) != 1:
             continue
         b = base.iloc[0]
@@ -225,6 +227,9 @@ def ablation_notes(df: pd.DataFrame) -> list[str]:
                  f" {r.itl_p50_s / b.itl_p50_s:.2f}× the ITL p50" for r in runs.itertuples() if ", no " in r.config]
         if cells:
             notes.append(f"{workload}, against {b.config} with the engine's defaults: " + "; ".join(cells) + ".")
+        notes += [f"{workload}: ITL p50 of {r.config} ÷ {b.config}'s: {r.itl_p50_s * 1e3:.2f} ÷"
+                  f" {b.itl_p50_s * 1e3:.2f} ms = {r.itl_p50_s / b.itl_p50_s:.2f}×."
+                  for r in runs[~weft].itertuples()]
     return notes
 
 

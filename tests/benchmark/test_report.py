@@ -432,9 +432,12 @@ def test_e12_divides_each_ablation_by_the_defaults(tmp_path):
                     name=f"test_e12_ablation[w{off}]")
             for off, tok_s, itl in (("", 1000.0, 0.010), (", no CUDA graphs", 250.0, 0.040),
                                     (", no chunked prefill", 800.0, 0.011))]
+    rows.append(serving("e12", "hf_generate_static", workload="w", output_tok_s=100.0, itl_p50_s=0.035, steps=9,
+                        name="test_e12_batch1_peer"))
     e12 = reported_section(tmp_path, rows, "e12")
     assert ("w, against continuous×triton with the engine's defaults: no CUDA graphs: 0.25× the output tok/s,"
             " 4.00× the ITL p50; no chunked prefill: 0.80× the output tok/s, 1.10× the ITL p50.") in e12
+    assert "w: ITL p50 of hf_generate_static ÷ continuous×triton's: 35.00 ÷ 10.00 ms = 3.50×." in e12
 
 
 def test_e13_shows_busy_idle_floor_and_kernel_classes(tmp_path):

@@ -1,6 +1,8 @@
 """e12: the ablation. continuous x the configured backend with the engine's defaults (chunked prefill
 at its 8,192-token budget, CUDA graphs for decode steps, prefix caching), then each turned off in turn:
-its share of e8's throughput and of a lone request's ITL (the report divides each by the defaults')."""
+its share of e8's throughput and of a lone request's ITL (the report divides each by the defaults').
+The lone request is also served by HF's fast path (the static cache, compiled on a GPU): the batch-1
+ITL peer, in the same run."""
 
 import pytest
 
@@ -24,3 +26,9 @@ def test_e12_ablation(run_benchmark, sizes, model_for, shape, off):
         workload = workloads.fixed(1, sizes.e12_prompt_len, sizes.e12_new_tokens, vocab)
     config = RunConfig(attention=sizes.attention, max_num_batched_tokens=CHUNKED_BUDGET, **OFF[off])
     run_benchmark("e12", config, workload, model=sizes.model)
+
+
+def test_e12_batch1_peer(run_benchmark, sizes, model_for):
+    vocab = model_for(sizes.model, sizes.dtype).config.vocab_size
+    workload = workloads.fixed(1, sizes.e12_prompt_len, sizes.e12_new_tokens, vocab)
+    run_benchmark("e12", RunConfig(engine="hf_generate_static"), workload, model=sizes.model)
