@@ -94,7 +94,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         if "bool" in f.type:
-            parser.add_argument(flag, action="store_true", default=None, help=f"(default: {f.default})")
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"(default: {f.default})")
             continue
         kind = float if "float" in f.type else int if "int" in f.type else str
         parser.add_argument(flag, type=kind, help=f"(default: {f.default})")

@@ -54,11 +54,13 @@ class Case:
     midflight: bool = False  # requests arrive at staggered ticks
     budget: int | None = None  # max_num_batched_tokens: prompts prefilled in chunks of at most this many
     second_turn: bool = False  # then the same prompts again (wholly cached) and each extended by its answer
+    overlap: bool = True  # enable_overlap: each step queued before the one before it lands
 
     @property
     def label(self) -> str:
         flags = (("midflight", self.midflight), ("small-pool", self.pool == "small"),
-                 (f"chunks-of-{self.budget}", self.budget is not None), ("second-turn", self.second_turn))
+                 (f"chunks-of-{self.budget}", self.budget is not None), ("second-turn", self.second_turn),
+                 ("no-overlap", not self.overlap))
         return "/".join([self.attention, self.scheduler, *(name for name, on in flags if on)])
 
 
@@ -108,10 +110,12 @@ TOP = 5  # vLLM's check_logprobs_close: at a 16-bit run's first difference, each
 
 
 def standard_cases(device: torch.device | str) -> list[Case]:
-    """Every backend x scheduler usable on `device`, each with prompts in chunks too; then mid-flight,
-    small-pool (preemptions, also of half-prefilled requests) and one-token-chunk runs on paged layouts."""
+    """Every backend x scheduler usable on `device`, each with prompts in chunks too, and without the
+    overlap; then mid-flight, small-pool (preemptions, also of half-prefilled requests) and one-token-chunk
+    runs on paged layouts."""
     backends = available_backends(device)
     cases = [Case(a, s, budget=b) for a in backends for s in SCHEDULERS for b in (None, CHUNK)]
+    cases += [Case(a, "continuous", overlap=False) for a in backends]
     for a in backends:
         if a != "contiguous":
             cases += [Case(a, "continuous", midflight=True), Case(a, "continuous", pool="small"),
@@ -211,6 +215,7 @@ def run_case(
         block_size=block_size,
         max_model_len=longest if contiguous else None,
         max_num_batched_tokens=case.budget,
+        enable_overlap=case.overlap,
         dtype=dtype,
         device=device,
     ) as llm:

@@ -127,3 +127,10 @@ def test_local_checkpoint_directory_matches_the_named_model(tmp_path, device):
             o.outputs[0].token_ids for o in named.generate(prompts, GREEDY)
         ]
         assert torch.equal(from_dir.llm_engine.model.lm_head.weight, named.llm_engine.model.lm_head.weight)
+
+
+def test_serve_flags_turn_each_bool_option_on_or_off():
+    from weft.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "m", "--no-enable-overlap", "--enforce-eager"])
+    assert (args.enable_overlap, args.enforce_eager, args.enable_chunked_prefill) == (False, True, None)

@@ -16,8 +16,8 @@ from weft.utils import cdiv
 
 pytestmark = pytest.mark.perf
 
-STEPS = 8  # profiled steps
-NEW_TOKENS = 2 + 2 + STEPS  # into decoding, two warm steps, the profiled ones
+STEPS = 8  # timed steps, then as many profiled
+NEW_TOKENS = 2 + 2 + 2 * STEPS  # into decoding, two warm steps, the timed and the profiled ones
 
 
 @pytest.mark.parametrize("shape", ["decode-B1", "decode-B", "mixed"])
@@ -26,8 +26,9 @@ def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
         pytest.skip(f"{sizes.attention} attention does not serve on {device.type}")
     B, S, P = 1 if shape == "decode-B1" else sizes.e13_batch, sizes.e13_context, 16
     longest = max(S, sizes.e13_prefill) + NEW_TOKENS
+    most = B + 2 * STEPS  # the mixed steps add a request each
     config = EngineConfig(model=model_for(sizes.model, sizes.dtype), attention=sizes.attention, block_size=P,
-                          num_blocks=(B + STEPS) * cdiv(longest, P), max_num_seqs=B + STEPS, max_model_len=longest,
+                          num_blocks=most * cdiv(longest, P), max_num_seqs=most, max_model_len=longest,
                           dtype=sizes.dtype, device=device)
     engine = LLMEngine(config)
     g = torch.Generator().manual_seed(0)
@@ -43,14 +44,14 @@ def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
         while any(len(seq.token_ids) - seq.num_prompt_tokens < 2 for seq in engine.requests.values()):
             engine.step()  # every request decoding
         engine.step(), engine.step()
-        added = iter(range(STEPS))
+        added = iter(range(2 * STEPS))
 
         def step() -> None:
             if shape == "mixed":
                 engine.add_request(f"new{next(added)}", prompt(sizes.e13_prefill), params)
             engine.step()
 
-        context = sum(seq.num_tokens for seq in engine.requests.values()) + B * STEPS // 2  # mid-profile
+        context = sum(seq.num_tokens for seq in engine.requests.values()) + B * STEPS * 3 // 2  # mid-profile
         result = benchmark.pedantic(step_profile, args=(step, STEPS, device), rounds=1, iterations=1)
         floor_ms = None
         if device.type == "cuda" and shape != "mixed":

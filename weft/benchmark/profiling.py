@@ -56,19 +56,23 @@ def kernel_class(name: str) -> str:
 
 
 def step_profile(step: Callable[[], object], steps: int, device: torch.device) -> dict[str, object]:
-    """Runs `step` `steps` times under the profiler -> per step: wall ms (host clock, the device synchronized),
-    and on CUDA the ms the GPU was busy (the union of its kernels' intervals), idle (wall - busy) and GPU ms
-    by kernel class (KERNEL_CLASSES)."""
+    """Runs `step` `steps` times as it runs in service, then `steps` times under the profiler -> per step: wall
+    ms of the first run (host clock, the device synchronized at both ends: the profiler's own cost per op
+    is left out), and on CUDA, from the second, the ms the GPU was busy (the union of its kernels' intervals),
+    idle (wall - busy) and GPU ms by kernel class (KERNEL_CLASSES)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
     with profile(activities=activities) as prof:
-        start = time.perf_counter()
         for _ in range(steps):
             step()
         sync()
-        wall_ms = (time.perf_counter() - start) * 1e3 / steps
     result: dict[str, object] = {"profiled_steps": steps, "step_ms": wall_ms, "gpu_busy_ms": None,
                                  "gpu_idle_ms": None, "gpu_ms_by_class": None}
     if not cuda:

@@ -43,6 +43,7 @@ class RunConfig:
     max_num_batched_tokens: int | None = None  # weft's step budget; None: the workload's prompts, all in a step
     chunked_prefill: bool = True  # weft's enable_chunked_prefill
     cuda_graphs: bool = True  # False: weft's enforce_eager
+    overlap: bool = True  # weft's enable_overlap
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -59,14 +60,16 @@ class RunConfig:
         if self.engine != "weft":
             return self.engine
         off = [name for name, on in (("chunked prefill", self.chunked_prefill), ("CUDA graphs", self.cuda_graphs),
-                                     ("prefix cache", self.prefix_caching is not False)) if not on]
+                                     ("prefix cache", self.prefix_caching is not False), ("overlap", self.overlap))
+               if not on]
         return f"{self.scheduler}×{self.attention}" + "".join(f", no {name}" for name in off)
 
     @property
     def id(self) -> str:
         """The label as a pytest id (ASCII)."""
         return (self.label.replace("×", "-").replace(", no prefix cache", "-nocache")
-                .replace(", no chunked prefill", "-nochunks").replace(", no CUDA graphs", "-eager"))
+                .replace(", no chunked prefill", "-nochunks").replace(", no CUDA graphs", "-eager")
+                .replace(", no overlap", "-nooverlap"))
 
 
 class Server(Protocol):
@@ -115,6 +118,7 @@ class WeftServer:
             enable_prefix_caching=config.prefix_caching,
             enable_chunked_prefill=config.chunked_prefill,
             enforce_eager=not config.cuda_graphs,
+            enable_overlap=config.overlap,
             dtype=dtype,
             device=device,
         )
@@ -150,6 +154,7 @@ class WeftServer:
             "cuda_graphs": self.engine.runner.graphs is not None,  # decode steps replayed from CUDA graphs
             "prefix_caching": c.enable_prefix_caching,
             "chunked_prefill": c.enable_chunked_prefill,
+            "overlap": c.enable_overlap,
         }
 
     def close(self) -> None:

@@ -41,6 +41,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA, num_blocks and kv_cache_memory_bytes None: this share of the card
     kv_cache_memory_bytes: int | None = None  # the pool's bytes; None: CUDA as above, CPU CPU_KV_CACHE_BYTES
     enforce_eager: bool = False  # no CUDA graphs
+    enable_overlap: bool = True  # plan and queue step k+1 while step k runs on the device, then land k
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -60,7 +61,7 @@ class EngineConfig:
         if not 0 < fraction <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
         set_(self, "gpu_memory_utilization", fraction)
-        for name in ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching", "enable_overlap"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (value is None and name == "enable_prefix_caching"):
                 raise TypeError(f"{name} must be a bool, got {value!r}")

@@ -25,9 +25,9 @@ from weft.inference.logprobs import as_dict
 from weft.inference.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from weft.inference.params import RequestOutputKind, check_sampling_params
 from weft.inference.pool import plan_pool
-from weft.inference.runner import ModelRunner
-from weft.inference.scheduler import SCHEDULERS
-from weft.inference.sequence import Sequence
+from weft.inference.runner import Launched, ModelRunner
+from weft.inference.scheduler import SCHEDULERS, ScheduledBatch
+from weft.inference.sequence import Sequence, Status
 from weft.models import build_model
 from weft.models.loader import resolve_model
 
@@ -59,6 +59,7 @@ class LLMEngine:
             graphs = DecodeGraphs(self.model, attn, config.max_num_seqs, config.max_model_len)
         self.runner: ModelRunner | None = ModelRunner(self.model, attn, device, graphs)
         self.requests: dict[RequestId, Sequence] = {}  # in flight: queued or running
+        self.in_flight: Launched | None = None  # the step queued on the device, not landed yet
         self.stats = EngineStats()
 
     # ---- requests in --------------------------------------------------------------------------
@@ -151,7 +152,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One forward pass over what the scheduler picks; -> an output per request that got a token
-        (as its output_kind says: all so far, this step's, or only the final one)."""
+        (as its output_kind says: all so far, this step's, or only the final one).
+
+        With enable_overlap the step is queued on the device and the one before it lands while it runs
+        (its tokens, stop checks and outputs are the host's work hidden behind the device's): a step
+        returns the outputs of the step before, and a request that stopped there runs one step more,
+        whose token is dropped. A step asking for logprobs lands at once."""
         self._check_open()
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += len(batch.preempted)
@@ -159,16 +165,21 @@ class LLMEngine:
         self.stats.prefix_cache_queries += batch.admitted_tokens
         self.stats.prefix_cache_hits += batch.cached_tokens
         if not batch:
-            if self.scheduler.has_work() and not batch.preempted:
+            if self.in_flight is None and self.scheduler.has_work() and not batch.preempted:
                 raise RuntimeError("the scheduler made no progress: this is a weft bug, please report it")
-            return []
+            return self._land()
+        launched = self._launch(batch)
+        outputs = self._land()
+        self.in_flight = launched
+        if not self.config.enable_overlap or launched.asks_logprobs:
+            outputs += self._land()
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch) -> Launched:
+        """Queue `batch` on the device; its tokens count as computed, its sampled ones as pending."""
         self.stats.steps += 1
         start = time.perf_counter()
-        result = self.runner.run(batch)
-        now = time.perf_counter()  # the sampled ids came back to the host: the device is done
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
-        for seq, entries in result.prompt_logprobs:
-            seq.prompt_logprobs.append(as_dict(entries, decode))
+        launched = self.runner.launch(batch, self.in_flight)
         for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = start
@@ -177,9 +188,27 @@ class LLMEngine:
             else:
                 self.stats.prefill_tokens += T
             seq.num_computed_tokens += T
-            self.scheduler.blocks.commit(seq)
+        for row, seq in enumerate(launched.sampled):
+            seq.num_pending += 1
+            seq.pending_row = row
+        return launched
+
+    def _land(self) -> list[RequestOutput]:
+        """Wait for the step in flight (if any) -> its outputs: tokens appended, stops checked, the blocks
+        its tokens filled registered for the prefix cache."""
+        if self.in_flight is None:
+            return []
+        launched, self.in_flight = self.in_flight, None
+        result = launched.land()
+        now = time.perf_counter()  # the sampled ids reached the host: the device is done
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        for seq, entries in result.prompt_logprobs:
+            seq.prompt_logprobs.append(as_dict(entries, decode))
         outputs = []
         for seq, token, entries in zip(result.sampled, result.tokens, result.logprobs, strict=True):
+            seq.num_pending -= 1
+            if seq.status is Status.FINISHED:  # aborted, or stopped while this step was in flight
+                continue
             seq.token_ids.append(token)
             if entries is not None:
                 seq.logprobs.append(as_dict(entries, decode))
@@ -192,6 +221,9 @@ class LLMEngine:
             output = self._output(seq)
             if output is not None:
                 outputs.append(output)
+        for seq in launched.scheduled:  # after the tokens landed: a block is known by its tokens
+            if seq.status is not Status.FINISHED:
+                self.scheduler.blocks.commit(seq)
         return outputs
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
@@ -200,7 +232,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif token in self.eos_token_ids and not p.ignore_eos:
             seq.finish_reason = "stop"
-        elif seq.num_tokens >= seq.max_len:
+        elif len(seq.token_ids) >= seq.max_len:
             seq.finish_reason = "length"
 
     def _output(self, seq: Sequence) -> RequestOutput | None:
@@ -235,7 +267,7 @@ class LLMEngine:
         for seq in list(self.requests.values()):
             self.scheduler.remove(seq)
         self.requests.clear()
-        self.runner = self.model = None
+        self.runner = self.model = self.in_flight = None
         gc.collect()
         if self.config.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -3,7 +3,9 @@
 It flattens the batch into T_total tokens and builds the attention metadata once per
 step (host lists -> one transfer), runs the model (a decode step from a CUDA
 graph when it has one), and samples one token for every sequence whose known tokens are
-all in the cache after this step.
+all in the cache after this step. `launch` returns as soon as the work is queued on the
+device, the sampled ids on their way to the host; a sequence whose newest token has not
+landed yet (the engine's overlap) reads it on the device, from the last step's ids.
 """
 
 from __future__ import annotations
@@ -43,6 +45,28 @@ class StepOutput:
     prompt_logprobs: list[tuple[Sequence, Entries]]  # (request, the entries of its next prompt token), in order
 
 
+@dataclass
+class Launched:
+    """A step queued on the device; `land` waits for its sampled ids."""
+
+    scheduled: list[Sequence]  # the batch's requests
+    sampled: list[Sequence]
+    tokens: torch.Tensor  # [B'] int64 on the device: the next step's pending inputs are read here
+    host: torch.Tensor  # [B'] int64 (pinned on CUDA): the copy of `tokens` in flight
+    copied: torch.cuda.Event | None  # recorded after that copy (None off CUDA: it is done)
+    logprobs: list[Entries | None]
+    prompt_logprobs: list[tuple[Sequence, Entries]]
+
+    @property
+    def asks_logprobs(self) -> bool:
+        return bool(self.prompt_logprobs) or any(e is not None for e in self.logprobs)
+
+    def land(self) -> StepOutput:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return StepOutput(self.sampled, self.host.tolist(), self.logprobs, self.prompt_logprobs)
+
+
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, attn: AttentionBackend, device: torch.device, graphs: DecodeGraphs | None = None
@@ -54,13 +78,15 @@ class ModelRunner:
             raise ValueError("the CUDA graphs were captured over another KV pool")
         self.graphs = graphs  # decode steps replayed from CUDA graphs captured over `attn`
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> StepInputs:
         """The step's inputs, built from per-request slices (no loop over tokens) and sent to the device
-        in one copy."""
+        in one copy; a request's newest token, if still pending, is read from `pending` (the last step's
+        sampled ids [B'_last]) on the device."""
         input_ids: list[int] = []
         positions: list[int] = []
         starts, context_lens, sample_rows, sampling = [0], [], [], []
         prompt_rows, prompt_targets, prompt_owners = [], [], []
+        pending_at, pending_rows = [], []  # rows of this step whose token is in `pending`, and its row there
         for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + T
             if seq.prompt_logprobs is not None:  # rows predicting a prompt token not yet scored
@@ -70,6 +96,10 @@ class ModelRunner:
                     prompt_targets.append(seq.token_ids[p + 1])
                     prompt_owners.append(seq)
             input_ids += seq.token_ids[begin:end]
+            if seq.num_pending:  # its newest token (the last of this slice) is still on the device
+                pending_at.append(len(input_ids))
+                pending_rows.append(seq.pending_row)
+                input_ids.append(0)
             positions += range(begin, end)
             starts.append(starts[-1] + T)
             context_lens.append(end)
@@ -79,8 +109,8 @@ class ModelRunner:
         B, T_total, width = len(batch), len(input_ids), max(len(seq.block_table) for seq in batch.seqs)
         tables = itertools.chain.from_iterable(seq.block_table + [0] * (width - len(seq.block_table))
                                                for seq in batch.seqs)
-        sizes = [T_total, T_total, B + 1, B, len(sample_rows), B * width]
-        parts = (input_ids, positions, starts, context_lens, sample_rows, tables)
+        sizes = [T_total, T_total, B + 1, B, len(sample_rows), B * width, len(pending_at), len(pending_at)]
+        parts = (input_ids, positions, starts, context_lens, sample_rows, tables, pending_at, pending_rows)
         # numpy reads the lists ~3x faster than torch.tensor; each part is padded to an even length, so that
         # every view starts 16-byte aligned as the Triton kernels are compiled for (else they compile again)
         ints = np.fromiter(itertools.chain.from_iterable(itertools.chain(part, [0] * (n % 2))
@@ -93,8 +123,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             host = host.pin_memory()
         flat = host.to(self.device, non_blocking=True)
-        ids, pos_d, starts_d, lens_d, rows_d, tables_d, slots_d = (
+        ids, pos_d, starts_d, lens_d, rows_d, tables_d, at_d, from_d, slots_d = (
             flat[i : i + n] for i, n in zip(at, [*sizes, T_total], strict=True))
+        if pending_at:
+            ids.index_copy_(0, at_d, pending.index_select(0, from_d))
         meta = AttentionMetadata(
             slot_mapping=slots_d,
             query_start_loc=starts_d.to(torch.int32),
@@ -107,17 +139,24 @@ class ModelRunner:
         return StepInputs(ids, pos_d, meta, rows_d, sampling, prompt_rows, prompt_targets, prompt_owners)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        x = self.prepare(batch)
+    def launch(self, batch: ScheduledBatch, last: Launched | None = None) -> Launched:
+        """Queue `batch`'s forward pass and sampling on the device (`last`: the step before, whose ids
+        may still be pending) -> the step in flight. Logprobs, when asked for, are computed here."""
+        x = self.prepare(batch, last.tokens if last is not None else None)
         if self.graphs is not None and self.graphs.serves(x.meta):
             hidden = self.graphs.forward(x.input_ids, x.positions, x.meta)  # [B, E]
         else:
             hidden = self.model(x.input_ids, x.positions, self.attn, self.attn.prepare(x.meta))  # [T_total, E]
         logits = self.model.logits(hidden[x.sample_rows])  # [B', V]
         tokens = sample(logits, self.sampling_tensors(x.sampling))
+        cuda = self.device.type == "cuda"
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda).copy_(tokens, non_blocking=cuda)
+        copied = torch.cuda.Event() if cuda else None
+        if copied is not None:
+            copied.record()
         asking = [i for i, s in enumerate(x.sampling) if s.params.logprobs is not None]
         if not asking and not x.prompt_rows:
-            return StepOutput(x.sampling, tokens.tolist(), [None] * len(x.sampling), [])
+            return Launched(batch.seqs, x.sampling, tokens, host, copied, [None] * len(x.sampling), [])
         rows = self._tensor(x.prompt_rows, torch.int64)
         entries = logprob_entries(
             torch.cat([logits[asking], self.model.logits(hidden[rows])]),
@@ -127,8 +166,8 @@ class ModelRunner:
         per_sampled: list[Entries | None] = [None] * len(x.sampling)
         for i, e in zip(asking, entries, strict=False):
             per_sampled[i] = e
-        return StepOutput(x.sampling, tokens.tolist(), per_sampled,
-                          list(zip(x.prompt_owners, entries[len(asking) :], strict=True)))
+        return Launched(batch.seqs, x.sampling, tokens, host, copied, per_sampled,
+                        list(zip(x.prompt_owners, entries[len(asking) :], strict=True)))
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors | None:
         """The sampled rows' settings as tensors (None when every row is greedy)."""

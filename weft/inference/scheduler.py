@@ -80,6 +80,8 @@ class Scheduler(ABC):
     def _share(self, seq: Sequence, budget: int, computed: int | None = None) -> int:
         """New tokens for `seq` this step: all it lacks beyond `computed` (its own count by default), cut
         to the budget left with chunked prefill."""
+        if seq.num_tokens >= seq.max_len:  # its last token is in flight: it finishes when that lands
+            return 0
         lacking = seq.num_tokens - (seq.num_computed_tokens if computed is None else computed)
         return max(0, min(lacking, budget)) if self.chunked_prefill else lacking
 

@@ -29,6 +29,8 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     num_returned_tokens: int = 0  # generated tokens already handed out in DELTA outputs
+    num_pending: int = 0  # sampled tokens still on their way to the host (overlap: 0 or 1 when a step is planned)
+    pending_row: int = 0  # the newest pending token's row among its step's sampled ids
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of its full, computed blocks (prefix caching)
     finish_reason: str | None = None
@@ -38,7 +40,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Its tokens, those still in flight included (what the scheduler plans with)."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
