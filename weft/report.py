@@ -67,7 +67,7 @@ COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "median_tpot_ms": ("TPOT p50 (ms)", _3g), "p99_tpot_ms": ("TPOT p99 (ms)", _3g),
     "median_itl_ms": ("ITL p50 (ms)", _3g),
     "step_ms": ("step (ms)", _3g), "gpu_busy_ms": ("GPU busy (ms)", _3g), "gpu_idle_ms": ("GPU idle (ms)", _3g),
-    "floor_ms": ("floor (ms)", _3g), "floor_ratio": ("GPU busy ÷ floor", _3g),
+    "floor_ms": ("floor (ms)", _3g), "step_floor_ratio": ("step ÷ floor", _3g),
 }
 TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns, metric columns)
     "e1": (["config", "S"], ["ttft_p50_s", "itl_p50_s", "output_tok_s", "peak_mem_bytes"]),
@@ -83,7 +83,7 @@ TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns
                         "peak_mem_bytes", "incomplete_requests"]),
     "e11": (["config"], ["ttft_p50_s", "ttft_p99_s", "itl_p50_s", "makespan_s", "output_tok_s",
                          "prefix_cache_hit_rate"]),
-    "e13": (["config", "shape", "B"], ["step_ms", "gpu_busy_ms", "gpu_idle_ms", "floor_ms", "floor_ratio"]),
+    "e13": (["config", "shape", "B"], ["step_ms", "gpu_busy_ms", "gpu_idle_ms", "floor_ms", "step_floor_ratio"]),
     "e12": (["workload", "config"], ["output_tok_s", "itl_p50_s", "ttft_p50_s", "makespan_s", "steps"]),
     "e9": (["server", "config", "workload", "request_rate"],
            ["median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_tok_s",
@@ -120,6 +120,8 @@ def experiment_table(experiment: str, df: pd.DataFrame) -> str:
     if experiment == "e3":
         return bandwidth_table(df)
     keys, metrics = TABLES[experiment]
+    if experiment == "e13" and "floor_ms" in df:
+        df = df.assign(step_floor_ratio=df["step_ms"] / df["floor_ms"])  # a step's wall time over its floor
     keys = [k for k in keys if k in df]
     metrics = [m for m in metrics if m in df and df[m].notna().any()]
     df = df.sort_values(keys)
@@ -234,13 +236,18 @@ def ablation_notes(df: pd.DataFrame) -> list[str]:
 
 
 def profile_notes(df: pd.DataFrame) -> list[str]:
-    """e13: each step's GPU time by kernel class, largest first."""
+    """e13: each step's GPU time by kernel class, largest first; a GPU busy time below the floor, flagged."""
     notes = []
     for r in df.sort_values(["config", "shape"]).itertuples():
         classes = getattr(r, "gpu_ms_by_class", None)
         if isinstance(classes, dict) and classes:
             notes.append(f"{r.config} {r.shape}, GPU ms by kernel class: "
                          + ", ".join(f"{cls} {ms:.3g}" for cls, ms in classes.items()) + ".")
+        floor, busy = getattr(r, "floor_ms", None), getattr(r, "gpu_busy_ms", None)
+        if pd.notna(floor) and pd.notna(busy) and busy < floor:
+            notes.append(f"{r.config} {r.shape}: the profiled GPU busy time ({busy:.3g} ms) is below the floor"
+                         f" ({floor:.3g} ms), which no step that reads its bytes can be: the profiler undercounts"
+                         " this step's kernels; its wall time is the measure.")
     return notes
 
 

@@ -441,9 +441,11 @@ def test_e12_divides_each_ablation_by_the_defaults(tmp_path):
 
 
 def test_e13_shows_busy_idle_floor_and_kernel_classes(tmp_path):
-    rows = [dict(experiment="e13", config="continuous×triton", shape="decode-B", B=256, step_ms=9.0, gpu_busy_ms=8.0,
-                 gpu_idle_ms=1.0, floor_ms=4.0, floor_ratio=2.0, gpu_ms_by_class={"attention": 3.5, "gemm": 3.0},
-                 name="test_e13_step_profile[decode-B]")]
+    rows = [dict(experiment="e13", config="continuous×triton", shape=shape, B=256, step_ms=9.0, gpu_busy_ms=busy,
+                 gpu_idle_ms=9.0 - busy, floor_ms=4.0, gpu_ms_by_class={"attention": 3.5, "gemm": 3.0},
+                 name=f"test_e13_step_profile[{shape}]") for shape, busy in (("decode-B", 8.0), ("decode-B1", 3.0))]
     e13 = reported_section(tmp_path, rows, "e13")
-    assert "| continuous×triton | decode-B | 256 | 9 | 8 | 1 | 4 | 2 |" in e13
+    assert "| continuous×triton | decode-B | 256 | 9 | 8 | 1 | 4 | 2.25 |" in e13  # step ÷ floor
     assert "continuous×triton decode-B, GPU ms by kernel class: attention 3.5, gemm 3." in e13
+    assert "decode-B1: the profiled GPU busy time (3 ms) is below the floor (4 ms)" in e13
+    assert "decode-B: the profiled" not in e13
