@@ -239,23 +239,23 @@ class LLMEngine:
         kind, finished = seq.params.output_kind, seq.finish_reason is not None
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        ids, returned = seq.output_token_ids, seq.num_returned_tokens
-        if kind is RequestOutputKind.DELTA:
-            ids, seq.num_returned_tokens = ids[returned:], len(ids)
+        returned, is_delta = seq.num_returned_tokens, kind is RequestOutputKind.DELTA
+        ids = seq.token_ids[seq.num_prompt_tokens + (returned if is_delta else 0) :]  # a delta copies only its own
+        if is_delta:
+            seq.num_returned_tokens = returned + len(ids)
         logprobs = seq.logprobs
         if logprobs is not None:
-            logprobs = logprobs[returned:] if kind is RequestOutputKind.DELTA else list(logprobs)
-        prompt_logprobs = None if kind is RequestOutputKind.DELTA and returned else seq.prompt_logprobs
+            logprobs = logprobs[returned:] if is_delta else list(logprobs)
+        prompt_logprobs = None if is_delta and returned else seq.prompt_logprobs
         if seq.detokenizer is not None:
             delta = seq.detokenizer.add(seq.token_ids[-1:], final=finished)
-            text = delta if kind is RequestOutputKind.DELTA else seq.detokenizer.text
+            text = delta if is_delta else seq.detokenizer.text
         elif self.tokenizer is not None:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
         else:
             text = ""
         completion = CompletionOutput(0, text, ids, seq.finish_reason, seq.stop_reason, logprobs)
-        prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
-        return RequestOutput(seq.request_id, seq.prompt, prompt_ids, [completion], finished, seq.metrics,
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], finished, seq.metrics,
                              list(prompt_logprobs) if prompt_logprobs is not None else None)
 
     # ---- lifetime -----------------------------------------------------------------------------

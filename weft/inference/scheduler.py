@@ -35,6 +35,8 @@ class ScheduledBatch:
 
     def decodes_first(self) -> ScheduledBatch:
         """The one-token requests first (a backend sends them to its decode kernel), the rest in order."""
+        if all(T == 1 for T in self.num_new_tokens):
+            return self
         order = sorted(range(len(self.seqs)), key=lambda i: self.num_new_tokens[i] != 1)
         self.seqs = [self.seqs[i] for i in order]
         self.num_new_tokens = [self.num_new_tokens[i] for i in order]
@@ -133,7 +135,7 @@ class ContinuousScheduler(Scheduler):
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
+        budget, P = self.max_num_batched_tokens, self.blocks.block_size
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -142,17 +144,20 @@ class ContinuousScheduler(Scheduler):
                 i += 1
                 continue
             need = seq.num_computed_tokens + T  # the cache slots it covers once this step has written
-            while not self.blocks.can_hold(seq, need):
-                victim = self.running.pop()  # latest admitted goes first
-                batch.preempted.append((victim, victim.num_computed_tokens))
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                self.blocks.grow(seq, need)
-                batch.add(seq, T)
-                budget -= T
-                i += 1
+            if need > len(seq.block_table) * P:  # it needs more blocks (most decodes have room in their last)
+                while not self.blocks.can_hold(seq, need):
+                    victim = self.running.pop()  # latest admitted goes first
+                    batch.preempted.append((victim, victim.num_computed_tokens))
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                else:
+                    self.blocks.grow(seq, need)
+                if seq.status is not Status.RUNNING:  # it was the one preempted
+                    continue
+            batch.add(seq, T)
+            budget -= T
+            i += 1
         if batch.preempted:  # the pool is full: admitting now would only preempt again
             return batch.decodes_first()
         while self.waiting and len(self.running) < self.max_num_seqs:

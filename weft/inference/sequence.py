@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from functools import cached_property
 
 from weft.inference.detokenizer import IncrementalDetokenizer
 from weft.inference.outputs import RequestMetrics
@@ -43,9 +44,10 @@ class Sequence:
         """Its tokens, those still in flight included (what the scheduler plans with)."""
         return len(self.token_ids) + self.num_pending
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+    @cached_property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's ids, one list for every output of the request (a prompt never changes)."""
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def max_kv_tokens(self) -> int:
