@@ -22,5 +22,5 @@ def test_kernel_classes(name, cls):
 def test_a_cpu_profile_times_the_steps_and_has_no_gpu_figures():
     calls = []
     result = step_profile(lambda: calls.append(torch.ones(64).sum()), 3, torch.device("cpu"))
-    assert len(calls) == 3 and result["profiled_steps"] == 3 and result["step_ms"] > 0
+    assert len(calls) == 6 and result["profiled_steps"] == 3 and result["step_ms"] > 0  # 3 timed, then 3 profiled
     assert result["gpu_busy_ms"] is None and result["gpu_ms_by_class"] is None
