@@ -1,12 +1,16 @@
 """The overlap (enable_overlap): step k+1 is planned and queued before step k lands. Its outputs come
 one step late and hold HF's tokens; a request that stops while a step is in flight runs that step, its
-token dropped; a step asking for logprobs lands at once."""
+token dropped, but preempts no one for it; a prompt in flight is already in the prefix cache; a step
+asking for logprobs lands at once; an interrupted wait is taken up again."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from weft import LLM, RequestOutputKind, SamplingParams
+from weft.inference.runner import Launched
 
 pytestmark = pytest.mark.correctness
 
@@ -30,7 +34,7 @@ def test_outputs_land_one_step_late_with_the_same_tokens(reference, device):
             steps[overlap] = []
             while engine.has_unfinished_requests():
                 steps[overlap].append([(o.request_id, o.outputs[0].token_ids) for o in engine.step()])
-            assert engine.in_flight is None
+            assert not engine.in_flight
             assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
     assert steps[True][0] == []  # the first step is still on the device when the call returns
     assert steps[True][1:] == steps[False]
@@ -69,3 +73,58 @@ def test_a_step_asking_for_logprobs_lands_at_once(reference, device):
         assert [(o.request_id, len(o.outputs[0].token_ids)) for o in outs] == [("plain", 1), ("plain", 2),
                                                                              ("scored", 1)]
         assert len(outs[2].outputs[0].logprobs) == 1
+
+
+def test_a_prompt_prefilled_in_flight_is_already_in_the_prefix_cache(device):
+    """B arrives while A's prefill is still on the device: B finds A's four full blocks in the cache."""
+    shared = list(range(100, 116))  # 4 blocks of 4
+    with tiny_llm(device, True) as llm:
+        engine = llm.llm_engine
+        engine.add_request("A", shared + [1], greedy(4))
+        engine.step()
+        engine.add_request("B", shared + [2], greedy(4))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.stats.prefix_cache_hits == 16
+
+
+def test_an_interrupted_wait_is_taken_up_again(reference, device, monkeypatch):
+    """Ctrl-C while the engine waits on the device: the next step lands what was in flight, and the tokens
+    are HF's."""
+    ref = reference("tiny-llama")
+    with tiny_llm(device, True) as llm:
+        engine = llm.llm_engine
+        engine.add_request("a", ref.prompts[0], greedy(ref.max_tokens, output_kind=RequestOutputKind.FINAL_ONLY))
+        engine.step(), engine.step()
+        land = Launched.land
+
+        def interrupted(self):
+            monkeypatch.setattr(Launched, "land", land)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Launched, "land", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert [o.outputs[0].token_ids for o in outs] == [ref.expected[0]]
+
+
+def test_a_request_that_may_stop_preempts_no_one_before_its_token_lands(device):
+    """A (4 prompt tokens) stops on its 5th token, which its 3rd block would hold, while B grows in a pool of
+    5 blocks: without the overlap nothing is preempted, and with it A's step in flight takes nothing from B."""
+    rng = random.Random(3)
+    with tiny_llm(device, False) as llm:
+        while True:  # a prompt whose 5th token is new to its answer, so that it stops there
+            A = [rng.randrange(512) for _ in range(4)]
+            answer = llm.generate([A], greedy(10), use_tqdm=False)[0].outputs[0].token_ids
+            if answer[4] not in answer[:4]:
+                break
+    B = [rng.randrange(512) for _ in range(6)]
+    runs = {}
+    for overlap in (False, True):
+        with LLM("tiny-llama", num_blocks=5, block_size=4, device=device, enable_overlap=overlap) as llm:
+            outs = llm.generate([A, B], [greedy(10, stop_token_ids=[answer[4]]), greedy(12)], use_tqdm=False)
+            runs[overlap] = ([o.outputs[0].token_ids for o in outs], llm.llm_engine.stats.num_preemptions)
+    assert runs[True] == runs[False] and runs[False][0][0] == answer[:5] and runs[False][1] == 0

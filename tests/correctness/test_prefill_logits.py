@@ -32,7 +32,7 @@ def test_prefill_logits_match_hf(model, attention, reference, device):
     BlockManager(attn.num_blocks, attn.block_size).grow(seq, len(ids))
     batch = ScheduledBatch()
     batch.add(seq, len(ids))
-    x = ModelRunner(weft_model, attn, device).prepare(batch)
+    x = ModelRunner(weft_model, attn, device).prepare(batch).tensors
     logits = weft_model.logits(weft_model(x.input_ids, x.positions, attn, attn.prepare(x.meta)))  # [T, V]
     expected = ref.hf_model(torch.tensor([ids], device=device)).logits[0].float()
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

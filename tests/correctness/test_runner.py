@@ -40,7 +40,7 @@ def test_num_decodes_counts_the_leading_one_token_requests(new_tokens, num_decod
     batch = ScheduledBatch()
     for i, T in enumerate(new_tokens):
         batch.add(sequence(i, 9, 9 - T), T)
-    meta = runner.prepare(batch).meta
+    meta = runner.prepare(batch).tensors.meta
     assert meta.num_decodes == num_decodes
     assert meta.is_decode == (num_decodes == len(new_tokens))
     assert meta.query_start_loc.diff().tolist() == new_tokens
@@ -56,7 +56,7 @@ def test_each_new_token_gets_its_slot_position_and_row():
     spans = [(9, 8), (6, 3), (13, 0)]  # (tokens known, tokens computed before this step)
     for i, (n, computed) in enumerate(spans):
         batch.add(sequence(i, n, computed), n - computed)
-    x = runner.prepare(batch)
+    x = runner.prepare(batch).tensors
     want_slots, want_pos, want_ids = [], [], []
     for i, (n, computed) in enumerate(spans):
         want_pos += range(computed, n)
@@ -66,6 +66,6 @@ def test_each_new_token_gets_its_slot_position_and_row():
     assert x.positions.tolist() == want_pos and x.input_ids.tolist() == want_ids
     assert x.meta.context_lens.tolist() == [9, 6, 13] and x.meta.context_lens.dtype == torch.int32
     assert x.meta.block_tables.tolist() == [[0, 1, 2, 0], [10, 11, 0, 0], [20, 21, 22, 23]]
-    assert x.sample_rows.tolist() == [0, 3, 16]  # each request's last new token
+    assert x.logit_rows.tolist() == [0, 3, 16]  # each request's last new token
     # 17 new tokens: odd parts of the one transfer are padded, so each tensor starts as Triton expects
-    assert all(t.data_ptr() % 16 == 0 for t in (x.input_ids, x.positions, x.meta.slot_mapping, x.sample_rows))
+    assert all(t.data_ptr() % 16 == 0 for t in (x.input_ids, x.positions, x.meta.slot_mapping, x.logit_rows))

@@ -93,11 +93,12 @@ class BlockManager:
             seq.block_table.append(block)
 
     def commit(self, seq: Sequence) -> None:
-        """Register `seq`'s blocks that its computed tokens have filled since the last call."""
+        """Register `seq`'s blocks that its computed tokens have filled since the last call (those whose
+        tokens are all known: a token still in flight holds its block back)."""
         if not self.prefix_caching:
             return
         P = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // P):
+        for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, len(seq.token_ids)) // P):
             tokens = tuple(seq.token_ids[i * P : (i + 1) * P])
             h = hash((seq.block_hashes[-1] if i else None, tokens))
             seq.block_hashes.append(h)

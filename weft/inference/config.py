@@ -15,6 +15,7 @@ import torch
 
 from weft.attention import available_backends, get_backend
 from weft.config import ModelConfig
+from weft.distributed import check_tensor_parallel
 from weft.inference.scheduler import SCHEDULERS
 from weft.utils import as_int, as_real
 
@@ -41,15 +42,16 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA, num_blocks and kv_cache_memory_bytes None: this share of the card
     kv_cache_memory_bytes: int | None = None  # the pool's bytes; None: CUDA as above, CPU CPU_KV_CACHE_BYTES
     enforce_eager: bool = False  # no CUDA graphs
-    enable_overlap: bool = True  # plan and queue step k+1 while step k runs on the device, then land k
+    enable_overlap: bool | None = None  # plan and queue step k+1 while step k runs, then land k; None: on CUDA
+    tensor_parallel_size: int = 1  # ranks that each hold a slice of the model (processes; GPUs on CUDA)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         check_names(self.attention, self.scheduler)
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "kv_cache_memory_bytes"):
+                     "kv_cache_memory_bytes", "tensor_parallel_size"):
             value = getattr(self, name)
-            if value is None and name not in ("block_size", "max_num_seqs"):
+            if value is None and name not in ("block_size", "max_num_seqs", "tensor_parallel_size"):
                 continue
             value = as_int(name, value)
             if value < 1:
@@ -63,8 +65,11 @@ class EngineConfig:
         set_(self, "gpu_memory_utilization", fraction)
         for name in ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching", "enable_overlap"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (value is None and name == "enable_prefix_caching"):
+            if not isinstance(value, bool) and not (value is None and name in ("enable_prefix_caching",
+                                                                                "enable_overlap")):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
+        if self.enable_overlap is None:  # on the CPU a step runs as it is queued: nothing to overlap it with
+            set_(self, "enable_overlap", self.device.type == "cuda")
         if self.attention not in available_backends(self.device):
             raise ValueError(
                 f"the {self.attention} backend cannot run on {self.device.type}: there choose from "
@@ -76,6 +81,13 @@ class EngineConfig:
                              "row of the slab): use paged or triton, or enable_prefix_caching=False")
         if self.enable_prefix_caching is None:
             set_(self, "enable_prefix_caching", shares)
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.device.type == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp}, but this machine has {torch.cuda.device_count()} CUDA "
+                             "device(s)")
+        if tp > 1 and not isinstance(self.model, str | os.PathLike):
+            raise ValueError(f"tensor_parallel_size={tp} needs a model by name or directory, which every rank loads "
+                             "its slice of; an in-memory model stays in this process")
         most = self.backend.max_decodes
         if most is not None and self.max_num_seqs > most:
             raise ValueError(
@@ -99,6 +111,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len > context:
             raise ValueError(f"max_model_len={self.max_model_len} is above the model's context of {context} tokens")
         self.backend.check_model(model)
+        check_tensor_parallel(self.tensor_parallel_size, model)
         max_model_len = self.max_model_len or context
         budget = self.max_num_batched_tokens or (CHUNKED_BUDGET if self.enable_chunked_prefill else max_model_len)
         return replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget)

@@ -12,23 +12,32 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 
 import torch
 
+from weft.distributed import TensorParallel
 from weft.inference.block_manager import BlockManager
 from weft.inference.config import EngineConfig
-from weft.inference.cuda_graphs import DecodeGraphs
 from weft.inference.detokenizer import IncrementalDetokenizer
 from weft.inference.inputs import parse_prompt
 from weft.inference.logprobs import as_dict
 from weft.inference.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from weft.inference.params import RequestOutputKind, check_sampling_params
 from weft.inference.pool import plan_pool
-from weft.inference.runner import Launched, ModelRunner
+from weft.inference.runner import Launched, ModelRunner, StepOutput
 from weft.inference.scheduler import SCHEDULERS, ScheduledBatch
 from weft.inference.sequence import Sequence, Status
-from weft.models import build_model
+from weft.inference.worker import (
+    free_port,
+    join_group,
+    load_slice,
+    make_runner,
+    share_pool,
+    start_workers,
+    stop_workers,
+)
 from weft.models.loader import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -44,22 +53,25 @@ class LLMEngine:
         self.model_config = source.config
         self.tokenizer = source.tokenizer
         self.eos_token_ids = source.eos_token_ids
-        device = config.device
-        self.model = build_model(source.config, config.torch_dtype, device)
-        source.load_into(self.model)
-        self.pool = plan_pool(config, source.config)  # after the weights: on CUDA it sizes from what is left
-        attn = config.backend(source.config, self.pool.num_blocks, self.pool.block_size, config.torch_dtype, device)
+        device, tp = config.device, TensorParallel(0, config.tensor_parallel_size)
+        self.workers = []  # the other tensor-parallel ranks, loading their slices beside this one
+        if tp.size > 1:
+            port = free_port()
+            self.workers = start_workers(config, port)
+        self.model = load_slice(config, source, tp, device)
+        # after the weights: on CUDA it sizes from what is left; each rank's pool holds its K/V heads
+        self.pool = plan_pool(config, tp.local(source.config))
+        if tp.size > 1:
+            join_group(tp, port, device)
+            share_pool(self.pool, device)
         logger.info("%s: %s", source.name, self.pool.describe(config))
         blocks = BlockManager(self.pool.num_blocks, self.pool.block_size, config.enable_prefix_caching)
         self.scheduler = SCHEDULERS[config.scheduler](
             blocks, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
         )
-        graphs = None
-        if device.type == "cuda" and attn.cuda_graphs and not config.enforce_eager:
-            graphs = DecodeGraphs(self.model, attn, config.max_num_seqs, config.max_model_len)
-        self.runner: ModelRunner | None = ModelRunner(self.model, attn, device, graphs)
+        self.runner: ModelRunner | None = make_runner(config, source, self.model, self.pool, tp, device)
         self.requests: dict[RequestId, Sequence] = {}  # in flight: queued or running
-        self.in_flight: Launched | None = None  # the step queued on the device, not landed yet
+        self.in_flight: deque[Launched] = deque()  # steps queued on the device, not landed yet (oldest first)
         self.stats = EngineStats()
 
     # ---- requests in --------------------------------------------------------------------------
@@ -159,27 +171,27 @@ class LLMEngine:
         returns the outputs of the step before, and a request that stopped there runs one step more,
         whose token is dropped. A step asking for logprobs lands at once."""
         self._check_open()
+        outputs = self._land(keep=1)  # what an interrupted call left in flight
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += len(batch.preempted)
         self.stats.recomputed_tokens += sum(lost for _, lost in batch.preempted)
         self.stats.prefix_cache_queries += batch.admitted_tokens
         self.stats.prefix_cache_hits += batch.cached_tokens
         if not batch:
-            if self.in_flight is None and self.scheduler.has_work() and not batch.preempted:
+            if not self.in_flight and self.scheduler.has_work() and not batch.preempted:
                 raise RuntimeError("the scheduler made no progress: this is a weft bug, please report it")
-            return self._land()
-        launched = self._launch(batch)
-        outputs = self._land()
-        self.in_flight = launched
-        if not self.config.enable_overlap or launched.asks_logprobs:
-            outputs += self._land()
-        return outputs
+            return outputs + self._land(keep=0)
+        self.in_flight.append(self._launch(batch))
+        overlap = self.config.enable_overlap and not self.in_flight[-1].asks_logprobs
+        return outputs + self._land(keep=1 if overlap else 0)
 
     def _launch(self, batch: ScheduledBatch) -> Launched:
-        """Queue `batch` on the device; its tokens count as computed, its sampled ones as pending."""
+        """Queue `batch` on the device; its tokens count as computed, its sampled ones as pending, and the
+        blocks its known tokens fill are registered for the prefix cache (a later step reads them after
+        this one has written them: the device runs steps in order)."""
         self.stats.steps += 1
         start = time.perf_counter()
-        launched = self.runner.launch(batch, self.in_flight)
+        launched = self.runner.launch(batch, self.in_flight[-1] if self.in_flight else None)
         for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = start
@@ -188,18 +200,24 @@ class LLMEngine:
             else:
                 self.stats.prefill_tokens += T
             seq.num_computed_tokens += T
+            self.scheduler.blocks.commit(seq)
         for row, seq in enumerate(launched.sampled):
             seq.num_pending += 1
             seq.pending_row = row
         return launched
 
-    def _land(self) -> list[RequestOutput]:
-        """Wait for the step in flight (if any) -> its outputs: tokens appended, stops checked, the blocks
-        its tokens filled registered for the prefix cache."""
-        if self.in_flight is None:
-            return []
-        launched, self.in_flight = self.in_flight, None
-        result = launched.land()
+    def _land(self, keep: int) -> list[RequestOutput]:
+        """Land the steps in flight, oldest first, until `keep` are left -> their outputs: tokens appended,
+        stops checked, the blocks the landed tokens filled registered. A step leaves the queue only once its
+        ids have come back, so an interrupted wait can be taken up again."""
+        outputs = []
+        while len(self.in_flight) > keep:
+            result = self.in_flight[0].land()
+            self.in_flight.popleft()
+            outputs += self._landed(result)
+        return outputs
+
+    def _landed(self, result: StepOutput) -> list[RequestOutput]:
         now = time.perf_counter()  # the sampled ids reached the host: the device is done
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         for seq, entries in result.prompt_logprobs:
@@ -218,12 +236,11 @@ class LLMEngine:
                 seq.metrics.finished_time = now
                 self.scheduler.remove(seq)
                 del self.requests[seq.request_id]
+            else:
+                self.scheduler.blocks.commit(seq)  # the block its landed token filled, if any
             output = self._output(seq)
             if output is not None:
                 outputs.append(output)
-        for seq in launched.scheduled:  # after the tokens landed: a block is known by its tokens
-            if seq.status is not Status.FINISHED:
-                self.scheduler.blocks.commit(seq)
         return outputs
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
@@ -267,7 +284,10 @@ class LLMEngine:
         for seq in list(self.requests.values()):
             self.scheduler.remove(seq)
         self.requests.clear()
-        self.runner = self.model = self.in_flight = None
+        if self.workers:
+            stop_workers(self.runner, self.workers)
+        self.in_flight.clear()
+        self.runner = self.model = None
         gc.collect()
         if self.config.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -11,12 +11,14 @@ landed yet (the engine's overlap) reads it on the device, from the last step's i
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from weft.attention.base import AttentionBackend, AttentionMetadata
+from weft.distributed import SINGLE, TensorParallel
 from weft.inference.cuda_graphs import DecodeGraphs
 from weft.inference.logprobs import Entries, logprob_entries
 from weft.inference.scheduler import ScheduledBatch
@@ -25,16 +27,74 @@ from weft.layers.sampler import MASK32, SamplingTensors, sample
 from weft.models.llama import LlamaForCausalLM
 
 
+@dataclass(frozen=True)
+class StepLayout:
+    """Where a step's ints lie in its one transfer; a tensor-parallel worker is sent this (`header`) first."""
+
+    B: int
+    T_total: int
+    width: int  # block table columns
+    num_sampled: int  # B': the requests that get a next token
+    num_prompt_rows: int  # rows whose next token is a prompt token a prompt_logprobs request scores
+    num_pending: int  # rows whose token is the last step's, still on the device
+    max_query_len: int
+    max_context_len: int
+    num_decodes: int
+
+    @property
+    def sizes(self) -> list[int]:
+        """input ids, positions, query starts, context lengths, logit rows, block tables, pending rows and
+        their rows in the last step's ids; then the slots (after the padded parts)."""
+        pending = self.num_pending
+        return [self.T_total, self.T_total, self.B + 1, self.B, self.num_sampled + self.num_prompt_rows,
+                self.B * self.width, pending, pending, self.T_total]
+
+    @property
+    def offsets(self) -> list[int]:
+        """Where each part starts: every part padded to an even length, so that each view starts 16-byte
+        aligned, as the Triton kernels are compiled for (else they compile again mid-serving)."""
+        return np.cumsum([0] + [n + n % 2 for n in self.sizes[:-1]]).tolist()
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1] + self.T_total
+
+    @property
+    def header(self) -> list[int]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    def views(self, flat: torch.Tensor) -> StepTensors:
+        """The step's tensors, views of `flat` [numel] int64 on the device."""
+        ids, pos, starts, lens, rows, tables, pending_at, pending_from, slots = (
+            flat[i : i + n] for i, n in zip(self.offsets, self.sizes, strict=True))
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=starts.to(torch.int32),
+            context_lens=lens.to(torch.int32),
+            block_tables=tables.view(self.B, self.width).to(torch.int32),
+            max_query_len=self.max_query_len,
+            max_context_len=self.max_context_len,
+            num_decodes=self.num_decodes,
+        )
+        return StepTensors(ids, pos, meta, rows, pending_at, pending_from)
+
+
 @dataclass
-class StepInputs:
+class StepTensors:
     input_ids: torch.Tensor  # [T_total] int64
     positions: torch.Tensor  # [T_total] int64
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [B'] int64: row of each sampling sequence's last new token
+    logit_rows: torch.Tensor  # [B' + prompt rows] int64: each sampled request's last new token, then prompt rows
+    pending_at: torch.Tensor  # [pending] int64: rows whose token the last step sampled
+    pending_from: torch.Tensor  # [pending] int64: its row among that step's sampled ids
+
+
+@dataclass
+class StepInputs:
+    tensors: StepTensors
     sampling: list[Sequence]  # the B' sequences that get a next token
-    prompt_rows: list[int]  # rows whose next token is a prompt token a prompt_logprobs request scores
-    prompt_targets: list[int]  # that next token of each such row
-    prompt_owners: list[Sequence]  # the request of each such row
+    prompt_targets: list[int]  # the next token of each prompt row
+    prompt_owners: list[Sequence]  # the request of each prompt row
 
 
 @dataclass
@@ -49,7 +109,6 @@ class StepOutput:
 class Launched:
     """A step queued on the device; `land` waits for its sampled ids."""
 
-    scheduled: list[Sequence]  # the batch's requests
     sampled: list[Sequence]
     tokens: torch.Tensor  # [B'] int64 on the device: the next step's pending inputs are read here
     host: torch.Tensor  # [B'] int64 (pinned on CUDA): the copy of `tokens` in flight
@@ -69,19 +128,21 @@ class Launched:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, attn: AttentionBackend, device: torch.device, graphs: DecodeGraphs | None = None
+        self, model: LlamaForCausalLM, attn: AttentionBackend, device: torch.device, graphs: DecodeGraphs | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.model = model
         self.attn = attn
         self.device = device
+        self.tp = tp  # the model's slice; rank 0 sends every step to the other ranks
         if graphs is not None and graphs.attn is not attn:
             raise ValueError("the CUDA graphs were captured over another KV pool")
         self.graphs = graphs  # decode steps replayed from CUDA graphs captured over `attn`
 
     def prepare(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> StepInputs:
         """The step's inputs, built from per-request slices (no loop over tokens) and sent to the device
-        in one copy; a request's newest token, if still pending, is read from `pending` (the last step's
-        sampled ids [B'_last]) on the device."""
+        in one copy (and to the tensor-parallel workers); a request's newest token, if still pending, is
+        read from `pending` (the last step's sampled ids [B'_last]) on the device."""
         input_ids: list[int] = []
         positions: list[int] = []
         starts, context_lens, sample_rows, sampling = [0], [], [], []
@@ -107,15 +168,18 @@ class ModelRunner:
                 sample_rows.append(starts[-1] - 1)
                 sampling.append(seq)
         B, T_total, width = len(batch), len(input_ids), max(len(seq.block_table) for seq in batch.seqs)
+        layout = StepLayout(B, T_total, width, len(sample_rows), len(prompt_rows), len(pending_at),
+                            max(batch.num_new_tokens), max(context_lens),
+                            next((i for i, T in enumerate(batch.num_new_tokens) if T != 1), B))
         tables = itertools.chain.from_iterable(seq.block_table + [0] * (width - len(seq.block_table))
                                                for seq in batch.seqs)
-        sizes = [T_total, T_total, B + 1, B, len(sample_rows), B * width, len(pending_at), len(pending_at)]
-        parts = (input_ids, positions, starts, context_lens, sample_rows, tables, pending_at, pending_rows)
-        # numpy reads the lists ~3x faster than torch.tensor; each part is padded to an even length, so that
-        # every view starts 16-byte aligned as the Triton kernels are compiled for (else they compile again)
+        parts = (input_ids, positions, starts, context_lens, sample_rows + prompt_rows, tables, pending_at,
+                 pending_rows)
+        # numpy reads the lists ~3x faster than torch.tensor
         ints = np.fromiter(itertools.chain.from_iterable(itertools.chain(part, [0] * (n % 2))
-                                                         for part, n in zip(parts, sizes, strict=True)), np.int64)
-        at = np.cumsum([0] + [n + n % 2 for n in sizes]).tolist()  # where each part starts; slots after them
+                                                         for part, n in zip(parts, layout.sizes[:-1], strict=True)),
+                           np.int64)
+        at = layout.offsets
         P, pos = self.attn.block_size, ints[at[1] : at[1] + T_total]
         owner = np.repeat(np.arange(B), batch.num_new_tokens)  # each new token's request, in order
         slots = ints[at[5] : at[5] + B * width].reshape(B, width)[owner, pos // P] * P + pos % P
@@ -123,51 +187,65 @@ class ModelRunner:
         if self.device.type == "cuda":
             host = host.pin_memory()
         flat = host.to(self.device, non_blocking=True)
-        ids, pos_d, starts_d, lens_d, rows_d, tables_d, at_d, from_d, slots_d = (
-            flat[i : i + n] for i, n in zip(at, [*sizes, T_total], strict=True))
+        x = layout.views(flat)
         if pending_at:
-            ids.index_copy_(0, at_d, pending.index_select(0, from_d))
-        meta = AttentionMetadata(
-            slot_mapping=slots_d,
-            query_start_loc=starts_d.to(torch.int32),
-            context_lens=lens_d.to(torch.int32),
-            block_tables=tables_d.view(B, width).to(torch.int32),
-            max_query_len=max(batch.num_new_tokens),
-            max_context_len=max(context_lens),
-            num_decodes=next((i for i, T in enumerate(batch.num_new_tokens) if T != 1), B),
-        )
-        return StepInputs(ids, pos_d, meta, rows_d, sampling, prompt_rows, prompt_targets, prompt_owners)
+            x.input_ids.index_copy_(0, x.pending_at, pending.index_select(0, x.pending_from))
+        if self.tp.size > 1:
+            dist.broadcast(torch.tensor(layout.header, device=self.device), 0)
+            dist.broadcast(flat, 0)  # the pending tokens filled in
+        return StepInputs(x, sampling, prompt_targets, prompt_owners)
+
+    def forward(self, x: StepTensors) -> torch.Tensor:
+        """One forward pass -> logits [B' + prompt rows, V] of the step's logit rows (every rank runs it)."""
+        if self.graphs is not None and self.graphs.serves(x.meta):
+            hidden = self.graphs.forward(x.input_ids, x.positions, x.meta)  # [B, E]
+        else:
+            hidden = self.model(x.input_ids, x.positions, self.attn, self.attn.prepare(x.meta))  # [T_total, E]
+        return self.model.logits(hidden[x.logit_rows])
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, last: Launched | None = None) -> Launched:
         """Queue `batch`'s forward pass and sampling on the device (`last`: the step before, whose ids
         may still be pending) -> the step in flight. Logprobs, when asked for, are computed here."""
         x = self.prepare(batch, last.tokens if last is not None else None)
-        if self.graphs is not None and self.graphs.serves(x.meta):
-            hidden = self.graphs.forward(x.input_ids, x.positions, x.meta)  # [B, E]
-        else:
-            hidden = self.model(x.input_ids, x.positions, self.attn, self.attn.prepare(x.meta))  # [T_total, E]
-        logits = self.model.logits(hidden[x.sample_rows])  # [B', V]
-        tokens = sample(logits, self.sampling_tensors(x.sampling))
+        logits = self.forward(x.tensors)
+        n = len(x.sampling)
+        tokens = sample(logits[:n], self.sampling_tensors(x.sampling))
         cuda = self.device.type == "cuda"
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda).copy_(tokens, non_blocking=cuda)
         copied = torch.cuda.Event() if cuda else None
         if copied is not None:
             copied.record()
         asking = [i for i, s in enumerate(x.sampling) if s.params.logprobs is not None]
-        if not asking and not x.prompt_rows:
-            return Launched(batch.seqs, x.sampling, tokens, host, copied, [None] * len(x.sampling), [])
-        rows = self._tensor(x.prompt_rows, torch.int64)
+        if not asking and not x.prompt_owners:
+            return Launched(x.sampling, tokens, host, copied, [None] * n, [])
         entries = logprob_entries(
-            torch.cat([logits[asking], self.model.logits(hidden[rows])]),
+            torch.cat([logits[asking], logits[n:]]),
             torch.cat([tokens[asking], self._tensor(x.prompt_targets, torch.int64)]),
             [x.sampling[i].params.logprobs for i in asking] + [s.params.prompt_logprobs for s in x.prompt_owners],
         )
-        per_sampled: list[Entries | None] = [None] * len(x.sampling)
+        per_sampled: list[Entries | None] = [None] * n
         for i, e in zip(asking, entries, strict=False):
             per_sampled[i] = e
-        return Launched(batch.seqs, x.sampling, tokens, host, copied, per_sampled,
+        return Launched(x.sampling, tokens, host, copied, per_sampled,
                         list(zip(x.prompt_owners, entries[len(asking) :], strict=True)))
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A tensor-parallel worker's loop: run each step rank 0 sends, until it sends an empty one."""
+        header = torch.empty(len(fields(StepLayout)), dtype=torch.int64, device=self.device)
+        while True:
+            dist.broadcast(header, 0)
+            layout = StepLayout(*header.tolist())
+            if layout.B == 0:
+                return
+            flat = torch.empty(layout.numel, dtype=torch.int64, device=self.device)
+            dist.broadcast(flat, 0)
+            self.forward(layout.views(flat))
+
+    def stop_workers(self) -> None:
+        """Rank 0: tell the workers there are no more steps."""
+        dist.broadcast(torch.zeros(len(fields(StepLayout)), dtype=torch.int64, device=self.device), 0)
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors | None:
         """The sampled rows' settings as tensors (None when every row is greedy)."""

@@ -145,6 +145,9 @@ class ContinuousScheduler(Scheduler):
                 continue
             need = seq.num_computed_tokens + T  # the cache slots it covers once this step has written
             if need > len(seq.block_table) * P:  # it needs more blocks (most decodes have room in their last)
+                if seq.num_pending and not self.blocks.can_hold(seq, need):
+                    i += 1  # its token is in flight and may stop it: no preemption for it before that lands
+                    continue
                 while not self.blocks.can_hold(seq, need):
                     victim = self.running.pop()  # latest admitted goes first
                     batch.preempted.append((victim, victim.num_computed_tokens))

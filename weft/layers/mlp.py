@@ -6,14 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weft.distributed import TensorParallel
 from weft.layers import fused
+from weft.layers.parallel import RowParallelLinear
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, E: int, intermediate: int, bias: bool) -> None:
+    def __init__(self, E: int, intermediate: int, bias: bool, tp: TensorParallel) -> None:
+        """`intermediate`: this rank's MLP columns."""
         super().__init__()
         self.gate_up_proj = nn.Linear(E, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, E, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, E, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T_total, E] -> [T_total, E]"""

@@ -5,14 +5,18 @@ from __future__ import annotations
 import torch
 
 from weft.config import ModelConfig
+from weft.distributed import SINGLE, TensorParallel
 from weft.models.llama import LlamaForCausalLM
 from weft.models.qwen3 import Qwen3ForCausalLM
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """`cfg`'s model in `dtype` on `device`, in eval mode, its weights placeholders to load into.
+def build_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE
+) -> LlamaForCausalLM:
+    """`cfg`'s model (`tp`'s slice of it) in `dtype` on `device`, in eval mode, its weights placeholders to
+    load into.
 
     Parameters are created where and as they will live (device and dtype): a large model built in
     float32 on the host and then moved costs tens of seconds. Not thread-safe: the default dtype is
@@ -23,7 +27,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> L
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(cfg)
+            model = model_cls(cfg, tp)
     finally:
         torch.set_default_dtype(default)
     return model.to(dtype).eval()  # buffers built in float32 on purpose (rotary tables) follow too

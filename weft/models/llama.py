@@ -1,7 +1,9 @@
 """The Llama decoder on weft's layers; Qwen3 (qwen3.py) differs only in normalizing q and k.
 
 Parameter names follow HF's so weights map one to one, except the fused `qkv_proj`
-(q, k, v) and `gate_up_proj` (gate, up), one matmul each (see weights.py).
+(q, k, v) and `gate_up_proj` (gate, up), one matmul each (see weights.py). Under tensor
+parallelism (weft.distributed) a rank builds its slice: `local` is the slice's shape, and the
+o/down projections, the embedding and the logits meet the other ranks' slices in one collective each.
 """
 
 from __future__ import annotations
@@ -13,19 +15,22 @@ from torch import nn
 
 from weft.attention.base import AttentionBackend
 from weft.config import ModelConfig
+from weft.distributed import SINGLE, TensorParallel
 from weft.layers.mlp import SwiGLU
 from weft.layers.norm import RMSNorm
+from weft.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from weft.layers.rotary import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T_total, 1, D] of this step's positions
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
+        """`cfg`: this rank's slice (its H_q and H_kv heads)."""
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.qkv_proj = nn.Linear(cfg.E, (cfg.H_q + 2 * cfg.H_kv) * cfg.D, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.H_q * cfg.D, cfg.E, bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(cfg.H_q * cfg.D, cfg.E, cfg.attention_bias, tp)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
@@ -41,12 +46,12 @@ class LlamaAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, attention_cls: type[LlamaAttention], tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.E, cfg.rms_eps)
-        self.self_attn = attention_cls(cfg, layer)
+        self.self_attn = attention_cls(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.E, cfg.rms_eps)
-        self.mlp = SwiGLU(cfg.E, cfg.intermediate, cfg.mlp_bias)
+        self.mlp = SwiGLU(cfg.E, cfg.intermediate, cfg.mlp_bias, tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn: AttentionBackend, step: Any
@@ -62,10 +67,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(self, cfg: ModelConfig, attention_cls: type[LlamaAttention], tp: TensorParallel) -> None:
+        """`cfg`: this rank's slice."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.V, cfg.E)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attention_cls) for i in range(cfg.L))
+        self.embed_tokens = VocabParallelEmbedding(cfg.V, cfg.E, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attention_cls, tp) for i in range(cfg.L))
         self.norm = RMSNorm(cfg.E, cfg.rms_eps)
         self.rotary = RotaryEmbedding(cfg.D, cfg.rope_theta, cfg.max_model_len)
 
@@ -83,11 +89,12 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        """`cfg`: the whole model's shape; `tp`: the slice this rank holds."""
         super().__init__()
-        self.cfg = cfg
-        self.model = DecoderModel(cfg, self.attention_cls)
-        self.lm_head = nn.Linear(cfg.E, cfg.V, bias=False)
+        self.cfg, self.tp, local = cfg, tp, tp.local(cfg)
+        self.model = DecoderModel(local, self.attention_cls, tp)
+        self.lm_head = nn.Linear(local.E, local.V, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -98,5 +105,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn, step)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, E] -> logits [B, V] float32"""
-        return self.lm_head(hidden).float()
+        """hidden [B, E] -> logits [B, V] float32 (every rank's vocabulary rows)"""
+        return self.tp.all_gather(self.lm_head(hidden)).float()

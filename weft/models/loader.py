@@ -98,16 +98,17 @@ class ModelSource:
     hf_model: Any | None = None  # an in-memory transformers model
 
     def load_into(self, model: nn.Module) -> None:
-        """Fill `model` (built from `self.config`) with this source's weights, tensor by tensor."""
+        """Fill `model` (built from `self.config`, or a tensor-parallel slice of it) with this source's
+        weights, tensor by tensor."""
         device = next(model.parameters()).device
         if self.path is not None:
             tensors = _safetensors(self.path, device)
         elif self.hf_model is not None:
             tensors = self.hf_model.state_dict().items()
         else:
-            layout = checkpoint_layout(model, self.config)
+            layout = checkpoint_layout(model, self.config, model.tp)
             tensors = random_weights(layout, self.hf_config.initializer_range, RANDOM_SEED, device)
-        load_weights(model, self.config, tensors)
+        load_weights(model, self.config, tensors, model.tp)
 
 
 def resolve_model(model: str | os.PathLike | Any) -> ModelSource:

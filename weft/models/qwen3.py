@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 from weft.config import ModelConfig
+from weft.distributed import TensorParallel
 from weft.layers.norm import RMSNorm
 from weft.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__(cfg, layer)
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
+        super().__init__(cfg, layer, tp)
         self.q_norm = RMSNorm(cfg.D, cfg.rms_eps)
         self.k_norm = RMSNorm(cfg.D, cfg.rms_eps)
 

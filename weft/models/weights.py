@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from weft.config import ModelConfig
+from weft.distributed import SINGLE, TensorParallel
 
 # weft's fused parameter -> the HF parameters it stacks along dim 0, in order, with their rows
 FUSED: dict[str, Callable[[ModelConfig], list[tuple[str, int]]]] = {
@@ -23,37 +24,62 @@ FUSED: dict[str, Callable[[ModelConfig], list[tuple[str, int]]]] = {
 }
 
 
+# Unfused HF parameters a tensor-parallel rank holds a slice of: by vocabulary rows, or by input columns
+ROW_SPLIT = ("embed_tokens", "lm_head")
+COLUMN_SPLIT = ("o_proj.weight", "down_proj.weight")
+
+
 @dataclass(frozen=True)
 class Slot:
-    """Where one HF tensor goes: rows [start, start + shape[0]) of weft's parameter `param`."""
+    """Where one HF tensor goes: its `part` (all of it if None) fills rows [start, ...) of weft's `param`."""
 
     param: str
     start: int
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # the HF tensor's, whole
+    part: tuple[int, int, int] | None = None  # (dim, start, length): the slice a tensor-parallel rank holds
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.part is None else tensor.narrow(*self.part)
 
 
-def checkpoint_layout(model: nn.Module, cfg: ModelConfig) -> dict[str, Slot]:
-    """HF tensor name -> its slot, for every tensor `model` needs (a tied lm_head needs none of its own)."""
-    layout = {}
+def checkpoint_layout(model: nn.Module, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> dict[str, Slot]:
+    """HF tensor name -> its slot, for every tensor `model` (`tp`'s slice of `cfg`) needs (a tied lm_head
+    needs none of its own)."""
+    layout, local = {}, tp.local(cfg)
     for name, param in model.named_parameters():  # a tied lm_head shares embed_tokens: listed once
         fused = next((f for f in FUSED if f".{f}." in name), None)
         if fused is None:
-            layout[name] = Slot(name, 0, tuple(param.shape))
+            layout[name] = _unfused(name, tuple(param.shape), tp)
             continue
         start = 0
-        for part, rows in FUSED[fused](cfg):
-            layout[name.replace(fused, part)] = Slot(name, start, (rows, *param.shape[1:]))
-            start += rows
+        for (part, rows), (_, mine) in zip(FUSED[fused](cfg), FUSED[fused](local), strict=True):
+            first = tp.kv_heads(cfg.H_kv)[0] * cfg.D if part in ("k_proj", "v_proj") else tp.rank * mine
+            cut = (0, first, mine) if tp.size > 1 else None
+            layout[name.replace(fused, part)] = Slot(name, start, (rows, *param.shape[1:]), cut)
+            start += mine
     return layout
 
 
+def _unfused(name: str, shape: tuple[int, ...], tp: TensorParallel) -> Slot:
+    """The slot of a parameter of `shape` (this rank's) loaded from one HF tensor: whole, or split along a dim."""
+    split = [dim for dim, names in ((0, ROW_SPLIT), (1, COLUMN_SPLIT)) if any(n in name for n in names)]
+    if tp.size == 1 or not split:
+        return Slot(name, 0, shape)
+    dim = split[0]
+    whole = tuple(n * tp.size if d == dim else n for d, n in enumerate(shape))
+    return Slot(name, 0, whole, (dim, tp.rank * shape[dim], shape[dim]))
+
+
 @torch.no_grad()
-def load_weights(model: nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy each (HF name, tensor) into `model`; a missing or misshapen weight is a ValueError.
+def load_weights(
+    model: nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], tp: TensorParallel = SINGLE
+) -> None:
+    """Copy each (HF name, tensor), or `tp`'s slice of it, into `model`; a missing or misshapen weight is a
+    ValueError.
 
     Names `model` does not use (a tied lm_head's copy, rotary tables of old checkpoints) are skipped.
     """
-    layout = checkpoint_layout(model, cfg)
+    layout = checkpoint_layout(model, cfg, tp)
     params = dict(model.named_parameters())
     filled = set()
     for name, tensor in tensors:
@@ -62,7 +88,8 @@ def load_weights(model: nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str
             continue
         if tuple(tensor.shape) != slot.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != weft's {slot.shape}")
-        params[slot.param].narrow(0, slot.start, slot.shape[0]).copy_(tensor)
+        piece = slot.take(tensor)
+        params[slot.param].narrow(0, slot.start, piece.shape[0]).copy_(piece)
         filled.add(name)
     missing = [name for name in layout if name not in filled]
     if missing:

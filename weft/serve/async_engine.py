@@ -84,7 +84,8 @@ class AsyncEngine:
         commands_out, self._commands_in = spawn.Pipe(duplex=False)
         self._outputs_out, outputs_in = spawn.Pipe(duplex=False)
         self.process = spawn.Process(target=engine_main, args=(config, commands_out, outputs_in),
-                                     name="weft-engine", daemon=True)
+                                     name="weft-engine",
+                                     daemon=config.tensor_parallel_size == 1)  # a daemon cannot start the TP ranks
         self.process.start()
         commands_out.close()
         outputs_in.close()
