@@ -23,20 +23,21 @@ from weft.inference.cuda_graphs import DecodeGraphs
 from weft.inference.pool import PoolPlan, plan_pool
 from weft.inference.runner import ModelRunner
 from weft.models import build_model
+from weft.models.llama import LlamaForCausalLM
 from weft.models.loader import ModelSource, resolve_model
 
 JOIN_TIMEOUT = timedelta(seconds=120)  # a rank that has not joined by then has failed to start
 
 
-def load_slice(config: EngineConfig, source: ModelSource, tp: TensorParallel, device: torch.device):
+def load_slice(config: EngineConfig, source: ModelSource, tp: TensorParallel, device: torch.device) -> LlamaForCausalLM:
     """This rank's slice of the model, its weights read tensor by tensor (no rank holds the whole model)."""
     model = build_model(source.config, config.torch_dtype, device, tp)
     source.load_into(model)
     return model
 
 
-def make_runner(config: EngineConfig, source: ModelSource, model, pool: PoolPlan, tp: TensorParallel,
-                device: torch.device) -> ModelRunner:
+def make_runner(config: EngineConfig, source: ModelSource, model: LlamaForCausalLM, pool: PoolPlan,
+                tp: TensorParallel, device: torch.device) -> ModelRunner:
     """The runner over this rank's share of the pool (its K/V heads) and, on CUDA, its decode graphs."""
     attn = config.backend(tp.local(source.config), pool.num_blocks, pool.block_size, config.torch_dtype, device)
     graphs = None
