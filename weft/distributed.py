@@ -22,10 +22,6 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
 
-    def split(self, n: int) -> tuple[int, int]:
-        """This rank's (start, length) of `n` rows split evenly."""
-        return self.rank * n // self.size, n // self.size
-
     def kv_heads(self, H_kv: int) -> tuple[int, int]:
         """This rank's (first K/V head, count): its share, or the one head its query heads read when there
         are fewer K/V heads than ranks."""
