@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs give the tokens the eager forward gives."""
+"""Steps replayed from CUDA graphs (decode steps whole, the others piecewise) give the tokens the eager forward
+gives."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from weft import LLM, SamplingParams
 from weft.attention.paged import PagedBackend
 from weft.benchmark.replay import Arrival, replay_ticks
-from weft.inference.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from weft.inference.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_token_counts
 
 pytestmark = pytest.mark.correctness
 
@@ -23,6 +24,15 @@ def test_batch_sizes_cover_every_batch(max_batch):
         assert size - B < 16 and size < 2 * B
 
 
+@pytest.mark.parametrize("max_tokens", [1, 8, 100, 2048, 8192])
+def test_token_counts_cover_every_step(max_tokens):
+    counts = graph_token_counts(max_tokens)
+    assert counts == sorted(set(counts)) and counts[-1] == max_tokens
+    for T in range(1, max_tokens + 1):  # every step is padded by at most half its rows (or to 8)
+        size = next(s for s in counts if s >= T)
+        assert size <= max(8, 2 * T)
+
+
 def test_refuses_backend_without_graphs():
     engine = LLM("tiny-llama", attention="paged", num_blocks=8, block_size=4, device="cpu").llm_engine
     with pytest.raises(ValueError, match="paged attention cannot be captured"):
@@ -30,24 +40,33 @@ def test_refuses_backend_without_graphs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("attention", "mode"), [("triton", "FULL_AND_PIECEWISE"), ("triton", "FULL_DECODE_ONLY"),
+                                                 ("triton", "PIECEWISE"), ("paged", "PIECEWISE"),
+                                                 ("contiguous", "PIECEWISE")])
 @pytest.mark.parametrize("scheduler", ["static", "continuous"])
-def test_graphs_match_eager(reference, scheduler):
+def test_graphs_match_eager(reference, scheduler, attention, mode):
     """Batches of every size from 1 to 5 (arrivals staggered, outputs of different lengths), so
-    graphs of sizes 1, 2, 4 and 8 replay with and without padding rows."""
+    decode graphs of sizes 1, 2, 4 and 8 replay with and without padding rows; prompts arriving beside
+    decodes, in chunks of 16 tokens and less, so piecewise graphs replay with padding rows too, after
+    larger steps have left their rows stale."""
     ref = reference("tiny-qwen3")
     prompts = ref.prompts[:5]
     params = [SamplingParams(max_tokens=8 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
     arrivals = [0, 0, 2, 5, 9]
     outputs = {}
-    for eager in (True, False):
-        with LLM("tiny-qwen3", attention="triton", scheduler=scheduler, num_blocks=64, block_size=4,
-                 max_num_seqs=8, dtype="float32", device="cuda", enforce_eager=eager) as llm:
-            graphs = llm.llm_engine.runner.graphs
-            assert (graphs is None) == eager
+    for graphed in (False, True):
+        with LLM("tiny-qwen3", attention=attention, scheduler=scheduler, num_blocks=64, block_size=4,
+                 max_num_seqs=8, max_num_batched_tokens=16, dtype="float32", device="cuda",
+                 cudagraph_mode=mode if graphed else "NONE") as llm:
+            runner = llm.llm_engine.runner
             zipped = zip(prompts, params, arrivals, strict=True)
             arrived = [Arrival(i, p, sp, tick) for i, (p, sp, tick) in enumerate(zipped)]
-            outputs[eager] = [o.outputs[0].token_ids for o in replay_ticks(llm.llm_engine, arrived)]
-            if not eager:
-                assert graphs.sizes == [1, 2, 4, 8]
-                assert graphs.replays > 0
-    assert outputs[False] == outputs[True]
+            outputs[graphed] = [o.outputs[0].token_ids for o in replay_ticks(llm.llm_engine, arrived)]
+            decode_graphs = graphed and mode.startswith("FULL") and attention == "triton"
+            assert (runner.graphs is not None) == decode_graphs
+            assert (runner.pieces is not None) == (graphed and mode.endswith("PIECEWISE"))
+            if decode_graphs:
+                assert runner.graphs.sizes == [1, 2, 4, 8] and runner.graphs.replays > 0
+            if runner.pieces is not None:
+                assert runner.pieces.sizes == [8, 16] and runner.pieces.replays > 0
+    assert outputs[True] == outputs[False]

@@ -105,18 +105,21 @@ class AttentionBackend(ABC):
         """The per-step state of checked metadata (no device sync: it may be captured)."""
         return meta
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Any) -> torch.Tensor:
-        """q [T_total, H_q, D], k/v [T_total, H_kv, D] -> o [T_total, H_q, D]; stores k/v first."""
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Any, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q [T_total, H_q, D], k/v [T_total, H_kv, D] -> o [T_total, H_q, D], written into `out` when given (a
+        piecewise graph's buffer); stores k/v first."""
         self.write(layer, k, v, step)
-        return self.attend(layer, q, step)
+        return self.attend(layer, q, step, out)
 
     @abstractmethod
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: Any) -> None:
         """Store this step's k/v [T_total, H_kv, D] in layer `layer`'s cache."""
 
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, step: Any) -> torch.Tensor:
-        """Causal attention of q [T_total, H_q, D] over each request's cached tokens."""
+    def attend(self, layer: int, q: torch.Tensor, step: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of q [T_total, H_q, D] over each request's cached tokens -> o, in `out` if given."""
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

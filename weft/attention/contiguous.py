@@ -30,9 +30,9 @@ class ContiguousBackend(AttentionBackend):
         self.kv_cache[0, layer][row, :, cursor] = k  # per-layer view [B, H_kv, S_max, D]
         self.kv_cache[1, layer][row, :, cursor] = v
 
-    def attend(self, layer: int, q: torch.Tensor, step: PaddedStep) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, step: PaddedStep, out: torch.Tensor | None = None) -> torch.Tensor:
         meta = step.meta
         rows, end = meta.block_tables[:, 0].long(), meta.max_context_len
         k = self.kv_cache[0, layer, :, :, :end][rows]  # [B, H_kv, S, D]
         v = self.kv_cache[1, layer, :, :, :end][rows]
-        return attend_padded(q, k, v, step, self.scale)
+        return attend_padded(q, k, v, step, self.scale, out)

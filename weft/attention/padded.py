@@ -39,8 +39,10 @@ def plan_padded(meta: AttentionMetadata) -> PaddedStep:
     return PaddedStep(meta, token_request, token_index, mask[:, None])
 
 
-def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PaddedStep, scale: float) -> torch.Tensor:
-    """q [T_total, H_q, D], k/v [B, H_kv, S, D] -> o [T_total, H_q, D]."""
+def attend_padded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PaddedStep, scale: float, out: torch.Tensor | None
+) -> torch.Tensor:
+    """q [T_total, H_q, D], k/v [B, H_kv, S, D] -> o [T_total, H_q, D] (copied into `out` if given)."""
     meta = step.meta
     B, T_max = meta.num_requests, meta.max_query_len
     q_pad = q.new_zeros(B, T_max, *q.shape[1:])
@@ -48,4 +50,5 @@ def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Padde
     o = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), k, v, attn_mask=step.mask, scale=scale, enable_gqa=True
     )  # [B, H_q, T_max, D]
-    return o.transpose(1, 2)[step.token_request, step.token_index]
+    o = o.transpose(1, 2)[step.token_request, step.token_index]
+    return o if out is None else out.copy_(o)

@@ -26,13 +26,13 @@ class PagedBackend(AttentionBackend):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: PaddedStep) -> None:
         write_paged(self.kv_cache, layer, k, v, step.meta.slot_mapping)
 
-    def attend(self, layer: int, q: torch.Tensor, step: PaddedStep) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, step: PaddedStep, out: torch.Tensor | None = None) -> torch.Tensor:
         meta = step.meta
         S, P = meta.max_context_len, self.block_size
         table = meta.block_tables[:, : -(-S // P)].long()  # [B, ceil(S / P)]
         k = self.kv_cache[0, layer][table].flatten(1, 2)[:, :S].transpose(1, 2)  # [B, H_kv, S, D]
         v = self.kv_cache[1, layer][table].flatten(1, 2)[:, :S].transpose(1, 2)
-        return attend_padded(q, k, v, step, self.scale)
+        return attend_padded(q, k, v, step, self.scale, out)
 
 
 def write_paged(

@@ -55,11 +55,12 @@ class TritonBackend(AttentionBackend):
         self._check_tokens("v", v, self.cfg.H_kv, step.meta)
         write_kv(k, v, step.meta.slot_mapping, self.kv_cache[0, layer], self.kv_cache[1, layer])
 
-    def attend(self, layer: int, q: torch.Tensor, step: TritonStep) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, step: TritonStep, out: torch.Tensor | None = None) -> torch.Tensor:
         self._check_tokens("q", q, self.cfg.H_q, step.meta)
         meta = step.meta
         k_cache, v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]  # [N, P, H_kv, D]
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         # Whole tensors, no slices: each kernel is told which requests are its own, so the
         # pointers (and Triton's specializations on their alignment) stay the same every step.
         table, ctx = meta.block_tables, meta.context_lens

@@ -28,6 +28,9 @@ from weft.inference.params import SamplingParams
 ENGINES = ("weft", "hf_generate", "hf_generate_static", "hf_generate_batch")
 
 
+GRAPHS_OFF = {"NONE": "CUDA graphs", "FULL_DECODE_ONLY": "piecewise graphs", "PIECEWISE": "decode graphs"}
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """What to serve with. Scheduler, attention and pool settings apply to weft only."""
@@ -42,14 +45,14 @@ class RunConfig:
     prefix_caching: bool | None = None  # weft's enable_prefix_caching; None: its default (on where it can be)
     max_num_batched_tokens: int | None = None  # weft's step budget; None: the workload's prompts, all in a step
     chunked_prefill: bool = True  # weft's enable_chunked_prefill
-    cuda_graphs: bool = True  # False: weft's enforce_eager
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"  # weft's (CUDAGRAPH_MODES)
     overlap: bool = True  # weft's enable_overlap
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}: choose from {', '.join(ENGINES)}")
         if self.engine == "weft":
-            check_names(self.attention, self.scheduler)
+            check_names(self.attention, self.scheduler, self.cudagraph_mode)
         if not 0 < self.pool_fraction <= 1:
             raise ValueError(f"pool_fraction must be in (0, 1], got {self.pool_fraction}")
 
@@ -59,7 +62,8 @@ class RunConfig:
         name for the HF baselines."""
         if self.engine != "weft":
             return self.engine
-        off = [name for name, on in (("chunked prefill", self.chunked_prefill), ("CUDA graphs", self.cuda_graphs),
+        graphs = GRAPHS_OFF.get(self.cudagraph_mode)
+        off = [name for name, on in (("chunked prefill", self.chunked_prefill), (graphs, graphs is None),
                                      ("prefix cache", self.prefix_caching is not False), ("overlap", self.overlap))
                if not on]
         return f"{self.scheduler}×{self.attention}" + "".join(f", no {name}" for name in off)
@@ -69,6 +73,7 @@ class RunConfig:
         """The label as a pytest id (ASCII)."""
         return (self.label.replace("×", "-").replace(", no prefix cache", "-nocache")
                 .replace(", no chunked prefill", "-nochunks").replace(", no CUDA graphs", "-eager")
+                .replace(", no piecewise graphs", "-nopiecewise").replace(", no decode graphs", "-nodecodegraphs")
                 .replace(", no overlap", "-nooverlap"))
 
 
@@ -117,7 +122,7 @@ class WeftServer:
             max_model_len=workload.max_len,
             enable_prefix_caching=config.prefix_caching,
             enable_chunked_prefill=config.chunked_prefill,
-            enforce_eager=not config.cuda_graphs,
+            cudagraph_mode=config.cudagraph_mode,
             enable_overlap=config.overlap,
             dtype=dtype,
             device=device,
@@ -151,7 +156,7 @@ class WeftServer:
             "pool_fraction": self.config.pool_fraction,
             "max_num_seqs": c.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens,
-            "cuda_graphs": self.engine.runner.graphs is not None,  # decode steps replayed from CUDA graphs
+            "cudagraph_mode": c.cudagraph_mode if c.device.type == "cuda" else "NONE",
             "prefix_caching": c.enable_prefix_caching,
             "chunked_prefill": c.enable_chunked_prefill,
             "overlap": c.enable_overlap,

@@ -22,6 +22,8 @@ from weft.utils import as_int, as_real
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 CPU_KV_CACHE_BYTES = 4 << 30  # the CPU pool's default budget (kv_cache_memory_bytes); pages are taken as used
+# vLLM's names: decode steps from whole-forward graphs and other steps piecewise, or only one of the two
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE")
 CHUNKED_BUDGET = 8192  # max_num_batched_tokens' default with chunked prefill (vLLM's for its server)
 
 
@@ -41,13 +43,14 @@ class EngineConfig:
     device: str | torch.device | None = None  # None: "cuda" when there is one, else "cpu"
     gpu_memory_utilization: float = 0.9  # CUDA, num_blocks and kv_cache_memory_bytes None: this share of the card
     kv_cache_memory_bytes: int | None = None  # the pool's bytes; None: CUDA as above, CPU CPU_KV_CACHE_BYTES
-    enforce_eager: bool = False  # no CUDA graphs
+    enforce_eager: bool = False  # no CUDA graphs (cudagraph_mode "NONE", as in vLLM)
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"  # CUDA: which steps replay graphs (CUDAGRAPH_MODES, cuda_graphs.py)
     enable_overlap: bool | None = None  # plan and queue step k+1 while step k runs, then land k; None: on CUDA
     tensor_parallel_size: int = 1  # ranks that each hold a slice of the model (processes; GPUs on CUDA)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        check_names(self.attention, self.scheduler)
+        check_names(self.attention, self.scheduler, self.cudagraph_mode)
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "kv_cache_memory_bytes", "tensor_parallel_size"):
             value = getattr(self, name)
@@ -68,6 +71,8 @@ class EngineConfig:
             if not isinstance(value, bool) and not (value is None and name in ("enable_prefix_caching",
                                                                                 "enable_overlap")):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
+        if self.enforce_eager:
+            set_(self, "cudagraph_mode", "NONE")
         if self.enable_overlap is None:  # on the CPU a step runs as it is queued: nothing to overlap it with
             set_(self, "enable_overlap", self.device.type == "cuda")
         if self.attention not in available_backends(self.device):
@@ -117,14 +122,17 @@ class EngineConfig:
         return replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget)
 
 
-def check_names(attention: object, scheduler: object) -> None:
-    """ValueError for an attention backend or scheduler weft does not have (TypeError for a non-str)."""
-    for name, value in (("attention", attention), ("scheduler", scheduler)):
+def check_names(attention: object, scheduler: object, cudagraph_mode: object) -> None:
+    """ValueError for an attention backend, scheduler or CUDA-graph mode weft does not have (TypeError for a
+    non-str)."""
+    for name, value in (("attention", attention), ("scheduler", scheduler), ("cudagraph_mode", cudagraph_mode)):
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str, got {value!r}")
     get_backend(attention)  # names the backends there are
-    if scheduler not in SCHEDULERS:
-        raise ValueError(f"unknown scheduler {scheduler!r}: choose from {', '.join(SCHEDULERS)}")
+    for name, value, known in (("scheduler", scheduler, SCHEDULERS), ("cudagraph_mode", cudagraph_mode,
+                                                                        CUDAGRAPH_MODES)):
+        if value not in known:
+            raise ValueError(f"unknown {name} {value!r}: choose from {', '.join(known)}")
 
 
 def _dtype_name(dtype: object) -> str:

@@ -1,17 +1,23 @@
-"""CUDA graphs for decode steps: the whole model forward replayed with one launch.
+"""CUDA graphs: the model forward replayed instead of launched kernel by kernel.
 
-A decode step of a small model is a few thousand tiny kernels, and launching them from
-Python costs far more than running them. So, once per pool, the forward pass is captured
-for a ladder of batch sizes (1, 2, 4, 8, then every 16 up to the largest batch the engine
-schedules), reading its inputs from static buffers. A decode step of B requests copies its
-inputs into those buffers, pads them to the next captured size and replays that graph.
-Padding rows write nothing (slot -1) and read one cached token, so they cost next to nothing
-and leave every real row's result alone.
+A step of a small model is a few thousand tiny kernels, and launching them from Python costs far
+more than running them. So, once per pool, the forward is captured and then replayed (vLLM V1's
+"FULL_AND_PIECEWISE"):
+
+- `DecodeGraphs`, whole: a decode step's forward, attention included, per batch size (1, 2, 4, 8,
+  then every 16 up to the largest batch the engine schedules), reading its inputs from static
+  buffers. A decode step of B requests copies its inputs there, pads them to the next captured size
+  and replays one graph. Padding rows write nothing (slot -1) and read one cached token, so they cost
+  next to nothing and leave every real row's result alone.
+- `PiecewiseGraphs`, everything but attention: any other step (prefills, prefill chunks beside
+  decodes) per padded token count, as L + 1 graphs cut at each layer's attention, which runs eagerly
+  between them on the step's real tokens and metadata, whatever their mix of requests. Every op in
+  the graphs works row by row, so padding rows (stale inputs of earlier steps) change no real row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,13 +26,21 @@ from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.models.llama import LlamaForCausalLM
 from weft.utils import cdiv
 
-MAX_GRAPH_BATCH = 256  # larger decode batches run eagerly (their launches are amortized anyway)
+MAX_GRAPH_BATCH = 256  # larger decode batches run piecewise
+MAX_GRAPH_TOKENS = 8192  # larger steps run eagerly: their GEMMs take longer than their launches
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """The captured batch sizes, smallest first: 1, 2, 4, 8, 16, 32, 48, ... and max_batch."""
     ladder = [1, 2, 4, 8, *range(16, max_batch, 16)]
     return sorted({b for b in ladder if b < max_batch} | {max_batch})
+
+
+def graph_token_counts(max_tokens: int) -> list[int]:
+    """The token counts piecewise graphs are captured for, smallest first: 8, 16, ..., 256 (doubling),
+    every 256 to 2048, every 1024 beyond, and max_tokens: at most half a step's rows are padding."""
+    ladder = [8, 16, 32, 64, 128, *range(256, 2048, 256), *range(2048, max_tokens, 1024)]
+    return sorted({t for t in ladder if t < max_tokens} | {max_tokens})
 
 
 @dataclass
@@ -132,3 +146,111 @@ class DecodeGraphs:
         captured.graph.replay()
         self.replays += 1
         return captured.hidden[:B]
+
+
+@dataclass
+class Pieces:
+    """One token count's forward, cut at attention: graphs[l] ends with layer l's q, k, v in the shared buffers
+    (attention's inputs, which it writes its output beside), graphs[l + 1] begins by reading that output, and
+    the last graph ends in `hidden`."""
+
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # [T, E]
+
+
+@dataclass
+class AttentionBuffers:
+    """What eager attention reads and writes between pieces, shared by every layer and token count (their
+    replays never interleave): rows [0, T) serve a step of T tokens."""
+
+    q: torch.Tensor  # [T_max, H_q, D]
+    k: torch.Tensor  # [T_max, H_kv, D]
+    v: torch.Tensor  # [T_max, H_kv, D]
+    out: torch.Tensor  # [T_max, H_q, D]
+
+    @classmethod
+    def allocate(cls, T_max: int, H_q: int, H_kv: int, D: int, dtype: torch.dtype, device: torch.device
+                 ) -> AttentionBuffers:
+        def buffer(heads: int) -> torch.Tensor:
+            return torch.zeros(T_max, heads, D, dtype=dtype, device=device)  # zeros: padding rows stay finite
+
+        return cls(buffer(H_q), buffer(H_kv), buffer(H_kv), buffer(H_q))
+
+    def rows(self, T: int) -> AttentionBuffers:
+        return AttentionBuffers(self.q[:T], self.k[:T], self.v[:T], self.out[:T])
+
+
+class _AttentionCut:
+    """What the model calls for attention while it is captured piecewise: each layer's call copies q, k, v
+    into the buffers, ends the graph being captured and begins the next, and returns the output buffer.
+    With no graph pool it only does the copies: a warm-up run."""
+
+    def __init__(self, buffers: AttentionBuffers, pool: Any | None) -> None:
+        self.buffers, self.pool, self.pieces = buffers, pool, Pieces()
+        self._begin()
+
+    def _begin(self) -> None:
+        if self.pool is not None:
+            self.pieces.graphs.append(torch.cuda.CUDAGraph())
+            self.pieces.graphs[-1].capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        if self.pool is not None:
+            self.pieces.graphs[-1].capture_end()
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Any) -> torch.Tensor:
+        for buffer, x in zip((self.buffers.q, self.buffers.k, self.buffers.v), (q, k, v), strict=True):
+            buffer.copy_(x)
+        self.end()
+        self._begin()
+        return self.buffers.out
+
+
+class PiecewiseGraphs:
+    """Forward passes of `model` up to max_tokens new tokens, captured around `attn`'s attention per token count."""
+
+    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_tokens: int) -> None:
+        self.model = model
+        self.attn = attn
+        self.sizes = graph_token_counts(min(max_tokens, MAX_GRAPH_TOKENS))
+        T_max, cfg, cache = self.sizes[-1], attn.cfg, attn.kv_cache
+        self.input_ids = torch.zeros(T_max, dtype=torch.int64, device=cache.device)
+        self.positions = torch.zeros(T_max, dtype=torch.int64, device=cache.device)
+        self.buffers = AttentionBuffers.allocate(T_max, cfg.H_q, cfg.H_kv, cfg.D, cache.dtype, cache.device)
+        self.captured: dict[int, Pieces] = {}
+        self.replays = 0
+        self._capture()
+
+    def serves(self, meta: AttentionMetadata) -> bool:
+        return meta.slot_mapping.shape[0] <= self.sizes[-1]
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()  # captures must not run on the default stream
+        for T in reversed(self.sizes):  # the largest first, so that the smaller ones reuse its memory
+            ids, positions, buffers = self.input_ids[:T], self.positions[:T], self.buffers.rows(T)
+            self.model(ids, positions, _AttentionCut(buffers, None), None)  # warm-up: compiles, picks GEMMs
+            torch.cuda.synchronize()
+            with torch.cuda.stream(stream):
+                cut = _AttentionCut(buffers, pool)
+                hidden = self.model(ids, positions, cut, None)
+                cut.end()
+            cut.pieces.hidden = hidden
+            self.captured[T] = cut.pieces
+        torch.cuda.synchronize()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A step of T <= max_tokens new tokens (inputs as the eager forward's) -> hidden [T, E], a view of the
+        graphs' output: use it before the next replay."""
+        T = input_ids.shape[0]
+        pieces = self.captured[next(s for s in self.sizes if s >= T)]
+        self.input_ids[:T].copy_(input_ids)
+        self.positions[:T].copy_(positions)
+        step, b = self.attn.prepare(meta), self.buffers.rows(T)
+        for layer, graph in enumerate(pieces.graphs[:-1]):
+            graph.replay()
+            self.attn.forward(layer, b.q, b.k, b.v, step, b.out)
+        pieces.graphs[-1].replay()
+        self.replays += 1
+        return pieces.hidden[:T]

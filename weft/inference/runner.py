@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.distributed import SINGLE, TensorParallel
-from weft.inference.cuda_graphs import DecodeGraphs
+from weft.inference.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from weft.inference.logprobs import Entries, logprob_entries
 from weft.inference.scheduler import ScheduledBatch
 from weft.inference.sequence import Sequence
@@ -129,15 +129,16 @@ class Launched:
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, attn: AttentionBackend, device: torch.device, graphs: DecodeGraphs | None = None,
-        tp: TensorParallel = SINGLE,
+        pieces: PiecewiseGraphs | None = None, tp: TensorParallel = SINGLE,
     ) -> None:
         self.model = model
         self.attn = attn
         self.device = device
         self.tp = tp  # the model's slice; rank 0 sends every step to the other ranks
-        if graphs is not None and graphs.attn is not attn:
+        if any(g is not None and g.attn is not attn for g in (graphs, pieces)):
             raise ValueError("the CUDA graphs were captured over another KV pool")
         self.graphs = graphs  # decode steps replayed from CUDA graphs captured over `attn`
+        self.pieces = pieces  # other steps replayed piecewise around `attn`
 
     def prepare(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> StepInputs:
         """The step's inputs, built from per-request slices (no loop over tokens) and sent to the device
@@ -199,6 +200,8 @@ class ModelRunner:
         """One forward pass -> logits [B' + prompt rows, V] of the step's logit rows (every rank runs it)."""
         if self.graphs is not None and self.graphs.serves(x.meta):
             hidden = self.graphs.forward(x.input_ids, x.positions, x.meta)  # [B, E]
+        elif self.pieces is not None and self.pieces.serves(x.meta):
+            hidden = self.pieces.forward(x.input_ids, x.positions, x.meta)  # [T_total, E]
         else:
             hidden = self.model(x.input_ids, x.positions, self.attn, self.attn.prepare(x.meta))  # [T_total, E]
         return self.model.logits(hidden[x.logit_rows])

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from weft.distributed import TensorParallel
 from weft.inference.config import EngineConfig
-from weft.inference.cuda_graphs import DecodeGraphs
+from weft.inference.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from weft.inference.pool import PoolPlan, plan_pool
 from weft.inference.runner import ModelRunner
 from weft.models import build_model
@@ -38,12 +38,16 @@ def load_slice(config: EngineConfig, source: ModelSource, tp: TensorParallel, de
 
 def make_runner(config: EngineConfig, source: ModelSource, model: LlamaForCausalLM, pool: PoolPlan,
                 tp: TensorParallel, device: torch.device) -> ModelRunner:
-    """The runner over this rank's share of the pool (its K/V heads) and, on CUDA, its decode graphs."""
+    """The runner over this rank's share of the pool (its K/V heads) and, on CUDA, its graphs (decode graphs
+    where the backend's attention can be captured)."""
     attn = config.backend(tp.local(source.config), pool.num_blocks, pool.block_size, config.torch_dtype, device)
-    graphs = None
-    if device.type == "cuda" and attn.cuda_graphs and not config.enforce_eager:
+    mode = config.cudagraph_mode if device.type == "cuda" else "NONE"
+    graphs = pieces = None
+    if mode.startswith("FULL") and attn.cuda_graphs:
         graphs = DecodeGraphs(model, attn, config.max_num_seqs, config.max_model_len)
-    return ModelRunner(model, attn, device, graphs, tp)
+    if mode.endswith("PIECEWISE"):
+        pieces = PiecewiseGraphs(model, attn, config.max_num_batched_tokens)
+    return ModelRunner(model, attn, device, graphs, pieces, tp)
 
 
 def free_port() -> int:
