@@ -21,21 +21,23 @@ class Reference:
     ignore_eos: bool
 
 
-_references: dict[str, Reference] = {}
+_references: dict[tuple[str, torch.device], Reference] = {}
 
 
 @pytest.fixture(scope="session")
 def reference(device: torch.device):
-    """reference(model_name) -> the model, its prompts and HF's greedy continuations."""
+    """reference(model_name) -> the model, its prompts and HF's greedy continuations, on the test device or on
+    `on` (random weights are drawn on the device they are made on: each device's reference is its own)."""
 
-    def get(name: str) -> Reference:
-        if name not in _references:
+    def get(name: str, on: torch.device = device) -> Reference:
+        key = (name, on)
+        if key not in _references:
             source = resolve_model(name)
-            hf_model = reference_model(source, torch.float32, device)
+            hf_model = reference_model(source, torch.float32, on)
             prompts = conformance_prompts(source, count=4 if source.tokenizer else 5)
             ignore_eos = source.tokenizer is None  # random weights: run to max_tokens
             expected = hf_reference(hf_model, prompts, 24, ignore_eos)
-            _references[name] = Reference(source, hf_model, prompts, expected, 24, ignore_eos)
-        return _references[name]
+            _references[key] = Reference(source, hf_model, prompts, expected, 24, ignore_eos)
+        return _references[key]
 
     return get

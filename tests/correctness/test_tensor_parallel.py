@@ -17,7 +17,7 @@ pytestmark = pytest.mark.correctness
 
 @pytest.mark.parametrize(("name", "scheduler"), [("tiny-llama", "continuous"), ("tiny-qwen3", "static")])
 def test_two_ranks_match_hf(reference, name, scheduler):
-    ref = reference(name)
+    ref = reference(name, torch.device("cpu"))
     params = SamplingParams(max_tokens=ref.max_tokens, temperature=0.0, ignore_eos=True)
     with LLM(name, tensor_parallel_size=2, scheduler=scheduler, attention="paged", num_blocks=64, block_size=4,
              device="cpu") as llm:
