@@ -73,7 +73,7 @@ TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns
     "e1": (["config", "S"], ["ttft_p50_s", "itl_p50_s", "output_tok_s", "peak_mem_bytes"]),
     "e2": (["config", "B"], ["ttft_p50_s", "itl_p50_s", "output_tok_s", "peak_mem_bytes"]),
     "e3_prefill": (["B", "T", "P"], ["time_s", "ratio_vs_sdpa", "tflops", "sdpa_tflops"]),
-    "e4": (["clock", "config"], ["ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "e2e_p50_s",
+    "e4": (["clock", "config"], ["ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s",
                                  "makespan_s", "output_tok_s", "preemptions"]),
     "e5": (["config", "pool_fraction", "pool_blocks"], ["output_tok_s", "makespan_s", "preemptions",
                                                         "recomputed_tokens", "ttft_p50_s", "itl_p50_s"]),
@@ -141,13 +141,17 @@ def _one(df: pd.DataFrame, column: str) -> str:
 
 
 def clock_notes(df: pd.DataFrame) -> list[str]:
-    """e4: what each clock means, with the arrival rates its records state."""
+    """e4: what each clock means, with the arrival rates its records state, and how far admissions stall the
+    running decodes (ITL p99 over p50)."""
     per_tick, per_s = _one(df, "arrival_rate_per_tick"), _one(df, "arrival_rate_per_s")
+    stalls = "; ".join(f"{r.config} ({r.clock}) {r.itl_p99_s / r.itl_p50_s:.2f}x"
+                       for r in df.itertuples() if {"itl_p50_s", "itl_p99_s"} <= set(df) and r.itl_p50_s)
     return [
         f"`ticks`: the seed's reproduction, Poisson arrivals{per_tick and ' at' + per_tick} per engine step, so a"
         " slower engine's requests also arrive more slowly.",
         f"`seconds`: Poisson arrivals{per_s and ' at' + per_s} per wall-clock second, the same instants for"
         " every engine: what a user compares. A makespan is never shorter than the last arrival.",
+        *([f"ITL p99 ÷ p50 (how far admissions stall the running decodes): {stalls}."] if stalls else []),
     ]
 
 
