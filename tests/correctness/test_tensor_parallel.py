@@ -28,6 +28,20 @@ def test_two_ranks_match_hf(reference, name, scheduler):
     assert not any(w.is_alive() for w in workers)  # close() let the other rank go
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "NONE"])
+def test_two_gpus_match_hf(reference, mode):
+    """Two ranks over NCCL, with CUDA graphs (the all-reduces captured in them, 16-token chunks beside decodes)
+    and without: HF's tokens exactly."""
+    ref = reference("tiny-qwen3")
+    params = SamplingParams(max_tokens=ref.max_tokens, temperature=0.0, ignore_eos=True)
+    with LLM("tiny-qwen3", tensor_parallel_size=2, attention="triton", num_blocks=64, block_size=4, max_num_seqs=8,
+             max_num_batched_tokens=16, dtype="float32", device="cuda", cudagraph_mode=mode) as llm:
+        outs = llm.generate(ref.prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref.expected
+
+
 def test_each_rank_holds_its_slice_of_every_weight():
     source = resolve_model("tiny-qwen3")
     cfg = source.config

@@ -156,7 +156,8 @@ class WeftServer:
             "pool_fraction": self.config.pool_fraction,
             "max_num_seqs": c.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens,
-            "cudagraph_mode": c.cudagraph_mode if c.device.type == "cuda" else "NONE",
+            "decode_graphs": self.engine.runner.graphs is not None,  # what ran: a backend may have none to capture
+            "piecewise_graphs": self.engine.runner.pieces is not None,
             "prefix_caching": c.enable_prefix_caching,
             "chunked_prefill": c.enable_chunked_prefill,
             "overlap": c.enable_overlap,

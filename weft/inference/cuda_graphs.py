@@ -17,6 +17,7 @@ more than running them. So, once per pool, the forward is captured and then repl
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.models.llama import LlamaForCausalLM
 from weft.utils import cdiv
 
-MAX_GRAPH_BATCH = 256  # larger decode batches run piecewise
+MAX_GRAPH_BATCH = 256  # larger decode batches run piecewise (eagerly under FULL_DECODE_ONLY)
 MAX_GRAPH_TOKENS = 8192  # larger steps run eagerly: their GEMMs take longer than their launches
 
 
@@ -38,8 +39,9 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 def graph_token_counts(max_tokens: int) -> list[int]:
     """The token counts piecewise graphs are captured for, smallest first: 8, 16, ..., 256 (doubling),
-    every 256 to 2048, every 1024 beyond, and max_tokens: at most half a step's rows are padding."""
-    ladder = [8, 16, 32, 64, 128, *range(256, 2048, 256), *range(2048, max_tokens, 1024)]
+    every 256 to 4096, every 512 beyond, and max_tokens. A step of more than 8 tokens is at most half
+    padding, and one of over 2,048 (where the GEMMs' time grows with the rows) under an eighth."""
+    ladder = [8, 16, 32, 64, 128, *range(256, 4096, 256), *range(4096, max_tokens, 512)]
     return sorted({t for t in ladder if t < max_tokens} | {max_tokens})
 
 
@@ -207,7 +209,8 @@ class _AttentionCut:
 
 
 class PiecewiseGraphs:
-    """Forward passes of `model` up to max_tokens new tokens, captured around `attn`'s attention per token count."""
+    """Forward passes of `model` of up to max_tokens new tokens (MAX_GRAPH_TOKENS at most), captured around
+    `attn`'s attention per token count."""
 
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_tokens: int) -> None:
         self.model = model
@@ -234,14 +237,19 @@ class PiecewiseGraphs:
             torch.cuda.synchronize()
             with torch.cuda.stream(stream):
                 cut = _AttentionCut(buffers, pool)
-                hidden = self.model(ids, positions, cut, None)
+                try:
+                    hidden = self.model(ids, positions, cut, None)
+                except BaseException:  # end the capture left open, so that the stream and the process stay usable
+                    with contextlib.suppress(RuntimeError):
+                        cut.end()
+                    raise
                 cut.end()
             cut.pieces.hidden = hidden
             self.captured[T] = cut.pieces
         torch.cuda.synchronize()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """A step of T <= max_tokens new tokens (inputs as the eager forward's) -> hidden [T, E], a view of the
+        """A step of T new tokens (`serves` it; inputs as the eager forward's) -> hidden [T, E], a view of the
         graphs' output: use it before the next replay."""
         T = input_ids.shape[0]
         pieces = self.captured[next(s for s in self.sizes if s >= T)]

@@ -1,8 +1,8 @@
 """ModelRunner: one forward pass for a scheduled batch.
 
 It flattens the batch into T_total tokens and builds the attention metadata once per
-step (host lists -> one transfer), runs the model (a decode step from a CUDA
-graph when it has one), and samples one token for every sequence whose known tokens are
+step (host lists -> one transfer), runs the model (from CUDA graphs where it has them: a
+decode step whole, another piecewise), and samples one token for every sequence whose known tokens are
 all in the cache after this step. `launch` returns as soon as the work is queued on the
 device, the sampled ids on their way to the host; a sequence whose newest token has not
 landed yet (the engine's overlap) reads it on the device, from the last step's ids.
