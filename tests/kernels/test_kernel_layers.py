@@ -1,6 +1,6 @@
 """The layer kernels (weft/layers/fused.py) against float64 references, and against the PyTorch ops the
-layers run off CUDA: residual add + RMSNorm, on hidden rows and on per-head rows of a strided q, and
-SiLU(gate) x up."""
+layers run off CUDA: residual add + RMSNorm, on hidden rows and on per-head rows of a strided q,
+SiLU(gate) x up, and RoPE (after Qwen3's per-head RMSNorm or without it)."""
 
 from __future__ import annotations
 
@@ -84,20 +84,34 @@ def test_silu_and_mul(device, dtype, T, inter):
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
 @pytest.mark.parametrize(("T", "H_q", "H_kv", "D"), [(1, 2, 1, 64), (6, 4, 2, 48), (3, 16, 8, 128)])
-def test_rotary(device, dtype, T, H_q, H_kv, D):
-    """q and k read in place from qkv (strided), rotated in one launch; against float64 and, in float32,
-    equal to the PyTorch ops the layer runs off CUDA."""
-    from weft.layers.rotary import RotaryEmbedding, _rotate
+@pytest.mark.parametrize("with_norms", [False, True], ids=["rope", "norm-rope"])
+def test_rotary(device, dtype, T, H_q, H_kv, D, with_norms):
+    """q and k read in place from qkv (strided), (each head RMS-normalized, as Qwen3's, and) rotated in one
+    launch; against float64 and, in float32, equal to the PyTorch ops the layers run off CUDA."""
+    from weft.layers.norm import RMSNorm
+    from weft.layers.rotary import RotaryEmbedding, apply_rotary
 
     g = torch.Generator().manual_seed(D)
-    qkv = torch.randn(T, (H_q + 2 * H_kv) * D, generator=g).to(dtype).to(device)
+    qkv = (3 * torch.randn(T, (H_q + 2 * H_kv) * D, generator=g)).to(dtype).to(device)
     q, k = qkv[:, : H_q * D].view(T, H_q, D), qkv[:, H_q * D : (H_q + H_kv) * D].view(T, H_kv, D)
     positions = torch.randint(0, 1000, (T,), generator=g).to(device)
     cos, sin = RotaryEmbedding(D, 1e4, 1024).to(device)(positions, dtype)
-    got_q, got_k = rotary(q, k, cos, sin)
-    for got, x in ((got_q, q), (got_k, k)):
-        x1, x2 = x.double().chunk(2, dim=-1)
-        want = x.double() * cos.double() + torch.cat([-x2, x1], dim=-1) * sin.double()
-        assert got.shape == x.shape and got.is_contiguous() and close(got, want, dtype)
-        if dtype == torch.float32:
-            assert torch.allclose(got, _rotate(x, cos, sin), rtol=1e-6, atol=1e-6)
+    norms = None
+    if with_norms:
+        norms = (RMSNorm(D, EPS).to(dtype).to(device), RMSNorm(D, EPS).to(dtype).to(device))
+        with torch.no_grad():
+            for norm in norms:
+                norm.weight.copy_(1 + torch.randn(D, generator=g))
+    weights = (norms[0].weight, norms[1].weight) if norms else None
+    got_q, got_k = rotary(q, k, cos, sin, weights, EPS)
+    for got, x, w in ((got_q, q, weights and weights[0]), (got_k, k, weights and weights[1])):
+        x = rms_reference(x, w) if w is not None else x.double()
+        x1, x2 = x.chunk(2, dim=-1)
+        want = x * cos.double() + torch.cat([-x2, x1], dim=-1) * sin.double()
+        assert got.shape == want.shape and got.is_contiguous() and close(got, want, dtype)
+    if dtype == torch.float32:
+        with torch.no_grad():
+            ops_q, ops_k = apply_rotary(q.cpu(), k.cpu(), cos.cpu(), sin.cpu(),
+                                        tuple(n.cpu() for n in norms) if norms else None)
+        assert torch.allclose(got_q.cpu(), ops_q, rtol=1e-6, atol=1e-6)
+        assert torch.allclose(got_k.cpu(), ops_k, rtol=1e-6, atol=1e-6)

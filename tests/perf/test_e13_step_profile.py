@@ -9,7 +9,7 @@ import torch
 from weft.attention import available_backends
 from weft.benchmark.environment import copy_bandwidth_gbps, device_name, git_sha
 from weft.benchmark.profiling import step_profile
-from weft.inference.config import EngineConfig
+from weft.inference.config import CHUNKED_BUDGET, EngineConfig
 from weft.inference.engine import LLMEngine
 from weft.inference.params import SamplingParams
 from weft.utils import cdiv
@@ -17,7 +17,6 @@ from weft.utils import cdiv
 pytestmark = pytest.mark.perf
 
 STEPS = 8  # timed steps, then as many profiled
-NEW_TOKENS = 2 + 2 + 2 * STEPS  # into decoding, two warm steps, the timed and the profiled ones
 
 
 @pytest.mark.parametrize("shape", ["decode-B1", "decode-B", "mixed"])
@@ -25,11 +24,15 @@ def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
     if sizes.attention not in available_backends(device):
         pytest.skip(f"{sizes.attention} attention does not serve on {device.type}")
     B, S, P = 1 if shape == "decode-B1" else sizes.e13_batch, sizes.e13_context, 16
-    longest = max(S, sizes.e13_prefill) + NEW_TOKENS
+    # enough that no request finishes before the profile does: the first ones admitted decode while the
+    # last ones' prompts are prefilled (B * S tokens, CHUNKED_BUDGET a step), then two warm steps, the timed
+    # and the profiled ones
+    new_tokens = cdiv(B * S, CHUNKED_BUDGET) + 2 + 2 + 2 * STEPS
+    longest = max(S, sizes.e13_prefill) + new_tokens
     most = B + 2 * STEPS  # the mixed steps add a request each
     config = EngineConfig(model=model_for(sizes.model, sizes.dtype), attention=sizes.attention, block_size=P,
                           num_blocks=most * cdiv(longest, P), max_num_seqs=most, max_model_len=longest,
-                          dtype=sizes.dtype, device=device)
+                          max_num_batched_tokens=CHUNKED_BUDGET, dtype=sizes.dtype, device=device)
     engine = LLMEngine(config)
     g = torch.Generator().manual_seed(0)
     V = engine.model_config.V
@@ -37,7 +40,7 @@ def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
     def prompt(n: int) -> list[int]:
         return torch.randint(0, V, (n,), generator=g).tolist()
 
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     try:
         for i in range(B):
             engine.add_request(f"r{i}", prompt(S), params)
@@ -53,6 +56,8 @@ def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
 
         context = sum(seq.num_tokens for seq in engine.requests.values()) + B * STEPS * 3 // 2  # mid-profile
         result = benchmark.pedantic(step_profile, args=(step, STEPS, device), rounds=1, iterations=1)
+        # no request finished: every step measured held all B decodes (and the mixed ones a prefill)
+        assert len(engine.requests) == B + (2 * STEPS if shape == "mixed" else 0)
         floor_ms = None
         if device.type == "cuda" and shape != "mixed":
             weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())

@@ -1,5 +1,6 @@
 """Triton kernels for the layers around attention, so that a decode step is a few kernels per layer:
-the residual add with the RMSNorm after it, RoPE on q and k together, and SiLU(gate) x up. The layers
+the residual add with the RMSNorm after it, RoPE on q and k together (after Qwen3's RMSNorm of each
+head), and SiLU(gate) x up. The layers
 (norm.py, rotary.py, mlp.py) call them on CUDA and compute the same in PyTorch ops elsewhere, as HF does.
 
 Each rounds where PyTorch rounds: the residual sum and the normalized value are rounded to the
@@ -90,13 +91,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_row(src, dst, cos, sin, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rotate_row(src, dst, cos, sin, weight, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
     col = tl.arange(0, BLOCK)
     mask = col < HALF
-    x1, x2 = tl.load(src + col, mask=mask), tl.load(src + HALF + col, mask=mask)
+    x1, x2 = tl.load(src + col, mask=mask, other=0.0), tl.load(src + HALF + col, mask=mask, other=0.0)
+    dt = dst.dtype.element_ty
+    if NORM:  # the head's RMSNorm first, rounded as add_rms_norm rounds it
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / (2 * HALF) + eps)
+        w1, w2 = tl.load(weight + col, mask=mask), tl.load(weight + HALF + col, mask=mask)
+        x1 = (w1.to(tl.float32) * (f1 * inv).to(dt).to(tl.float32)).to(dt)
+        x2 = (w2.to(tl.float32) * (f2 * inv).to(dt).to(tl.float32)).to(dt)
     c1, c2 = tl.load(cos + col, mask=mask), tl.load(cos + HALF + col, mask=mask)
     s1, s2 = tl.load(sin + col, mask=mask), tl.load(sin + HALF + col, mask=mask)
-    dt = dst.dtype.element_ty
     # x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype as PyTorch rounds them
     y1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
     y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
@@ -106,32 +113,39 @@ def _rotate_row(src, dst, cos, sin, HALF: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, H_q, H_kv,
+    q_ptr, k_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr, k_out_ptr, H_q, H_kv, eps,
     stride_qt, stride_qh, stride_kt, stride_kh,
-    D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
 ):
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)  # heads 0..H_q-1 of q, then the H_kv of k
     cos, sin = cos_ptr + t * D, sin_ptr + t * D
     if h < H_q:
-        _rotate_row(q_ptr + t * stride_qt + h * stride_qh, q_out_ptr + (t * H_q + h) * D, cos, sin, HALF, BLOCK)
+        _rotate_row(q_ptr + t * stride_qt + h * stride_qh, q_out_ptr + (t * H_q + h) * D, cos, sin, q_weight_ptr,
+                    eps, HALF, BLOCK, NORM)
     else:
         hk = h - H_q
-        _rotate_row(k_ptr + t * stride_kt + hk * stride_kh, k_out_ptr + (t * H_kv + hk) * D, cos, sin, HALF, BLOCK)
+        _rotate_row(k_ptr + t * stride_kt + hk * stride_kh, k_out_ptr + (t * H_kv + hk) * D, cos, sin, k_weight_ptr,
+                    eps, HALF, BLOCK, NORM)
 
 
 def rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H_q, D], k [T, H_kv, D] (rows of D contiguous), cos/sin [T, 1, D] of their dtype ->
-    rotated q, k (rotate-half convention), contiguous: both in one launch."""
+    rotated q, k (rotate-half convention), contiguous: both in one launch. `norms`: the weights [D] of an
+    RMSNorm (epsilon `eps`) over each head of q and of k, applied first in the same launch (Qwen3's)."""
     T, H_q, D = q.shape
     H_kv = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
     assert D % 2 == 0 and cos.shape == sin.shape == (T, 1, D)
+    assert norms is None or all(w.shape == (D,) and w.is_contiguous() for w in norms)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_weight, k_weight = norms if norms is not None else (q, k)  # unread without norms
     _rotary_kernel[(T, H_q + H_kv)](
-        q, k, cos, sin, q_out, k_out, H_q, H_kv, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        D=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), enable_fp_fusion=False,
+        q, k, cos, sin, q_weight, k_weight, q_out, k_out, H_q, H_kv, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        D=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), NORM=norms is not None, enable_fp_fusion=False,
     )
     return q_out, k_out

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from weft.layers import fused
+from weft.layers.norm import RMSNorm
 
 
 class RotaryEmbedding(nn.Module):
@@ -24,12 +25,18 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    norms: tuple[RMSNorm, RMSNorm] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T_total, H_q, D], k [T_total, H_kv, D], cos/sin [T_total, 1, D] -> rotated q, k (on CUDA: one
-    Triton kernel for both, fused.rotary)."""
+    """q [T_total, H_q, D], k [T_total, H_kv, D], cos/sin [T_total, 1, D] -> rotated q, k; `norms`: RMSNorms
+    over each head of q and of k, applied first (Qwen3). On CUDA one Triton kernel does it all, fused.rotary."""
     if fused.on_kernels(q):
-        return fused.rotary(q, k, cos, sin)
+        if norms is None:
+            return fused.rotary(q, k, cos, sin)
+        q_norm, k_norm = norms
+        return fused.rotary(q, k, cos, sin, (q_norm.weight, k_norm.weight), q_norm.eps)
+    if norms is not None:
+        q, k = norms[0](q), norms[1](k)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

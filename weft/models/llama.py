@@ -32,15 +32,15 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.E, (cfg.H_q + 2 * cfg.H_kv) * cfg.D, bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.H_q * cfg.D, cfg.E, cfg.attention_bias, tp)
 
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T_total, H_q, D], k [T_total, H_kv, D] -> the two with their positions applied."""
+        return apply_rotary(q, k, *rope)
 
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend, step: Any) -> torch.Tensor:
         """x [T_total, E] -> [T_total, E]"""
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.H_q * cfg.D, cfg.H_kv * cfg.D, cfg.H_kv * cfg.D], dim=-1)
-        q, k = self.normalize_qk(q.view(-1, cfg.H_q, cfg.D), k.view(-1, cfg.H_kv, cfg.D))
-        q, k = apply_rotary(q, k, *rope)
+        q, k = self.rotate(q.view(-1, cfg.H_q, cfg.D), k.view(-1, cfg.H_kv, cfg.D), rope)
         o = attn.forward(self.layer, q, k, v.view(-1, cfg.H_kv, cfg.D), step)  # [T_total, H_q, D]
         return self.o_proj(o.flatten(1))
 

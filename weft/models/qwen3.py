@@ -7,7 +7,8 @@ import torch
 from weft.config import ModelConfig
 from weft.distributed import TensorParallel
 from weft.layers.norm import RMSNorm
-from weft.models.llama import LlamaAttention, LlamaForCausalLM
+from weft.layers.rotary import apply_rotary
+from weft.models.llama import LlamaAttention, LlamaForCausalLM, Rope
 
 
 class Qwen3Attention(LlamaAttention):
@@ -16,9 +17,9 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(cfg.D, cfg.rms_eps)
         self.k_norm = RMSNorm(cfg.D, cfg.rms_eps)
 
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T_total, H_q, D], k [T_total, H_kv, D]"""
-        return self.q_norm(q), self.k_norm(k)
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T_total, H_q, D], k [T_total, H_kv, D]: each head normalized, then rotated (one kernel on CUDA)."""
+        return apply_rotary(q, k, *rope, norms=(self.q_norm, self.k_norm))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
