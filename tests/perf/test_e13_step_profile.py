@@ -25,9 +25,9 @@ def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
         pytest.skip(f"{sizes.attention} attention does not serve on {device.type}")
     B, S, P = 1 if shape == "decode-B1" else sizes.e13_batch, sizes.e13_context, 16
     # enough that no request finishes before the profile does: the first ones admitted decode while the
-    # last ones' prompts are prefilled (B * S tokens, CHUNKED_BUDGET a step), then two warm steps, the timed
-    # and the profiled ones
-    new_tokens = cdiv(B * S, CHUNKED_BUDGET) + 2 + 2 + 2 * STEPS
+    # last ones' prompts are prefilled (B * S tokens, CHUNKED_BUDGET a step) and come to their second token,
+    # then come two warm steps, the timed and the profiled ones (and a margin, for the overlap's step)
+    new_tokens = cdiv(B * S, CHUNKED_BUDGET) + 2 + 2 + 2 * STEPS + 8
     longest = max(S, sizes.e13_prefill) + new_tokens
     most = B + 2 * STEPS  # the mixed steps add a request each
     config = EngineConfig(model=model_for(sizes.model, sizes.dtype), attention=sizes.attention, block_size=P,
