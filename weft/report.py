@@ -68,23 +68,27 @@ COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "median_itl_ms": ("ITL p50 (ms)", _3g),
     "step_ms": ("step (ms)", _3g), "gpu_busy_ms": ("GPU busy (ms)", _3g), "gpu_idle_ms": ("GPU idle (ms)", _3g),
     "floor_ms": ("floor (ms)", _3g), "step_floor_ratio": ("step ÷ floor", _3g),
+    "floor_s": ("floor (s)", _3g), "makespan_floor_ratio": ("makespan ÷ floor", _3g),
 }
+# derived columns: each a measured time over its memory-traffic floor (e13's per step, the others' per run)
+RATIOS = {"step_floor_ratio": ("step_ms", "floor_ms"), "makespan_floor_ratio": ("makespan_s", "floor_s")}
+FLOOR = ["floor_s", "makespan_floor_ratio"]  # the decode-heavy experiments' columns
 TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns, metric columns)
     "e1": (["config", "S"], ["ttft_p50_s", "itl_p50_s", "output_tok_s", "peak_mem_bytes"]),
-    "e2": (["config", "B"], ["ttft_p50_s", "itl_p50_s", "output_tok_s", "peak_mem_bytes"]),
+    "e2": (["config", "B"], ["ttft_p50_s", "itl_p50_s", "output_tok_s", "peak_mem_bytes", *FLOOR]),
     "e3_prefill": (["B", "T", "P"], ["time_s", "ratio_vs_sdpa", "tflops", "sdpa_tflops"]),
     "e4": (["clock", "config"], ["ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s",
                                  "makespan_s", "output_tok_s", "preemptions"]),
     "e5": (["config", "pool_fraction", "pool_blocks"], ["output_tok_s", "makespan_s", "preemptions",
-                                                        "recomputed_tokens", "ttft_p50_s", "itl_p50_s"]),
-    "e6": (["attention", "block_size"], ["output_tok_s", "ttft_p50_s", "itl_p50_s", "peak_mem_bytes"]),
+                                                        "recomputed_tokens", "ttft_p50_s", "itl_p50_s", *FLOOR]),
+    "e6": (["attention", "block_size"], ["output_tok_s", "ttft_p50_s", "itl_p50_s", "peak_mem_bytes", *FLOOR]),
     "e7": (["config", "steps"], ["itl_p50_s"]),
     "e8": (["config"], ["ttft_p50_s", "itl_p50_s", "e2e_p50_s", "makespan_s", "input_tok_s", "output_tok_s",
-                        "peak_mem_bytes", "incomplete_requests"]),
+                        "peak_mem_bytes", "incomplete_requests", *FLOOR]),
     "e11": (["config"], ["ttft_p50_s", "ttft_p99_s", "itl_p50_s", "makespan_s", "output_tok_s",
                          "prefix_cache_hit_rate"]),
     "e13": (["config", "shape", "B"], ["step_ms", "gpu_busy_ms", "gpu_idle_ms", "floor_ms", "step_floor_ratio"]),
-    "e12": (["workload", "config"], ["output_tok_s", "itl_p50_s", "ttft_p50_s", "makespan_s", "steps"]),
+    "e12": (["workload", "config"], ["output_tok_s", "itl_p50_s", "ttft_p50_s", "makespan_s", "steps", *FLOOR]),
     "e9": (["server", "config", "workload", "request_rate"],
            ["median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_tok_s",
             "request_goodput"]),
@@ -120,8 +124,9 @@ def experiment_table(experiment: str, df: pd.DataFrame) -> str:
     if experiment == "e3":
         return bandwidth_table(df)
     keys, metrics = TABLES[experiment]
-    if experiment == "e13" and "floor_ms" in df:
-        df = df.assign(step_floor_ratio=df["step_ms"] / df["floor_ms"])  # a step's wall time over its floor
+    for ratio, (measured, floor) in RATIOS.items():
+        if measured in df and floor in df:
+            df = df.assign(**{ratio: df[measured] / df[floor]})
     keys = [k for k in keys if k in df]
     metrics = [m for m in metrics if m in df and df[m].notna().any()]
     df = df.sort_values(keys)

@@ -184,7 +184,7 @@ def test_every_label_names_the_unit_its_cells_are_in(tmp_path):
     name) shows s, in every table, the ratio table too."""
     timed = dict(ttft_p50_s=0.456, ttft_p90_s=0.567, ttft_p99_s=0.678, itl_p50_s=0.0123, itl_p99_s=0.0234,
                  e2e_p50_s=1.23, makespan_s=7.89)
-    rows = [serving("e4", "continuous×triton", **timed), serving("e8", "continuous×triton", **timed),
+    rows = [serving("e4", "continuous×triton", **timed), serving("e8", "continuous×triton", **timed, floor_s=3.21),
             dict(experiment="e3_prefill", attention="triton", B=4, T=4096, P=16, time_s=0.00077,
                  ratio_vs_sdpa=1.45, tflops=357.0, sdpa_tflops=518.0),
             serving("e9", "continuous×triton", server="offline", request_rate="inf", name="test_e9_offline", **timed),
@@ -230,7 +230,7 @@ def test_every_label_names_the_unit_its_cells_are_in(tmp_path):
     e4_section = (tmp_path / "out" / "README.md").read_text().split("## e4: ")[1].split("## ")[0]
     assert "ITL p99 ÷ p50 (how far admissions stall the running decodes): continuous×triton" in e4_section
     assert f"{0.0234 / 0.0123:.2f}x." in e4_section
-    assert {("table", "e8", "itl_p50_s"), ("table", "e3_prefill", "time_s")} <= checked
+    assert {("table", "e8", "itl_p50_s"), ("table", "e8", "floor_s"), ("table", "e3_prefill", "time_s")} <= checked
     served_ms = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")
     assert {("table", "e9", m) for m in (*served_ms, "ttft_p50_s", "ttft_p99_s", "itl_p50_s")} <= checked
     assert ("table", "e9", "request_goodput") in checked
@@ -452,3 +452,15 @@ def test_e13_shows_busy_idle_floor_and_kernel_classes(tmp_path):
     assert "continuous×triton decode-B, GPU ms by kernel class: attention 3.5, gemm 3." in e13
     assert "decode-B1: the profiled GPU busy time (3 ms) is below the floor (4 ms)" in e13
     assert "decode-B: the profiled" not in e13
+
+
+def test_decode_heavy_tables_show_the_floor_and_each_makespan_over_it(tmp_path):
+    rows = [serving("e8", "continuous×triton", makespan_s=6.0, floor_s=4.0),
+            serving("e8", "hf_generate", engine="hf_generate", makespan_s=240.0, floor_s=4.0)]
+    e8 = reported_section(tmp_path, rows, "e8")
+    header = next(line for line in e8.splitlines() if line.startswith("| config"))
+    assert header.endswith("| floor (s) | makespan ÷ floor |")
+    assert re.search(r"\| continuous×triton \|.*\| 6 \|.*\| 4 \| 1\.5 \|$", e8, re.M)
+    assert re.search(r"\| hf_generate \|.*\| 240 \|.*\| 4 \| 60 \|$", e8, re.M)
+    e4 = reported_section(tmp_path / "e4", [serving("e4", "continuous×triton", floor_s=4.0)], "e4")
+    assert "floor" not in e4  # arrivals, not the memory, set e4's makespan

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from transformers.generation import ContinuousBatchingConfig
 
 from weft.attention import available_backends
+from weft.benchmark.floor import floor_s, traffic_bytes
 from weft.benchmark.metrics import Served
 from weft.benchmark.profiling import top_ops
 from weft.benchmark.runner import RunConfig, Server, make_server, record, release, unrelated_bytes
@@ -343,6 +344,8 @@ def run_benchmark(benchmark, request: pytest.FixtureRequest, device: torch.devic
             pytest.skip(f"{config.attention} attention does not serve on {device.type}")
         cb_config = ContinuousBatchingConfig(**SIZES.hf_cb_config) if SIZES.hf_cb_config else None
         hf = model_for(model, dtype, logit_gain)
+        traffic = traffic_bytes(workload, hf)
+        floor = floor_s(traffic, device)  # before the server takes memory: the copy bandwidth is measured once, now
         other_bytes = unrelated_bytes(config, hf, device)
         server = make_server(config, hf, workload, dtype, device, cb_config)
 
@@ -356,7 +359,8 @@ def run_benchmark(benchmark, request: pytest.FixtureRequest, device: torch.devic
             served, ops = benchmark.pedantic(timed, args=(server,), rounds=1, iterations=1, warmup_rounds=0)
             if ops is not None:
                 extra = {**extra, "profiled": True, "top_ops": ops}
-            info = record(experiment, config, server, served, workload, model, dtype, device, other_bytes)
+            info = record(experiment, config, server, served, workload, model, dtype, device, other_bytes,
+                          traffic_bytes=traffic, floor_s=floor)
         finally:
             server.close()
             del server

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from weft.attention import available_backends
-from weft.benchmark.environment import copy_bandwidth_gbps, device_name, git_sha
+from weft.benchmark.environment import device_name, git_sha
+from weft.benchmark.floor import floor_s
 from weft.benchmark.profiling import step_profile
 from weft.inference.config import CHUNKED_BUDGET, EngineConfig
 from weft.inference.engine import LLMEngine
@@ -62,7 +63,7 @@ def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
         if device.type == "cuda" and shape != "mixed":
             weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
             kv = context * engine.pool.block_bytes // P
-            floor_ms = (weights + kv) / (copy_bandwidth_gbps() * 1e9) * 1e3
+            floor_ms = floor_s(weights + kv, device) * 1e3
     finally:
         engine.close()
     benchmark.extra_info.update({

@@ -215,11 +215,14 @@ def record(
     dtype: str,
     device: torch.device,
     other_bytes: int = 0,
+    traffic_bytes: int | None = None,
+    floor_s: float | None = None,
 ) -> dict[str, object]:
     """Everything `benchmark.extra_info` holds about one run (callers add experiment-specific keys).
 
     The peak memory is charged to the run alone (its weights, pool or cache, activations):
     `other_bytes`, what the process held for other things (see `unrelated_bytes`), comes off.
+    `traffic_bytes` and `floor_s`: the workload's memory traffic and its time at the copy bandwidth (floor.py).
     """
     metrics = served.metrics().as_record()
     if metrics["peak_mem_bytes"] is not None:
@@ -235,6 +238,8 @@ def record(
         "workload": workload.name,
         **metrics,
         "steps": served.steps,
+        "traffic_bytes": traffic_bytes,
+        "floor_s": floor_s,
         "prefix_cache_hit_rate": served.prefix_cache_hit_rate,
         # requests that got fewer tokens than asked for (a baseline that failed or stopped early)
         "incomplete_requests": sum(

@@ -1,0 +1,42 @@
+"""The memory-traffic floor counts what the engine reads: the weights once a step over as many steps as the
+longest output has tokens, and every context's K/V once a step."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from weft.benchmark import workloads
+from weft.benchmark.floor import floor_s, traffic_bytes
+from weft.inference.config import EngineConfig
+from weft.inference.engine import LLMEngine
+from weft.inference.params import SamplingParams
+
+
+def test_the_traffic_is_the_weights_per_step_and_the_contexts_the_engine_reads():
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=128,
+    )).eval()  # fmt: skip
+    w = workloads.uniform(4, (3, 20), (1, 9), vocab_size=256, seed=2, name="tiny")
+    engine = LLMEngine(EngineConfig(model=hf, attention="paged", dtype="float32", device="cpu", max_model_len=64))
+    steps, contexts = 0, 0
+    forward = engine.runner.forward
+
+    def counted(x):  # every request is admitted in the first step, so they run side by side to the end
+        nonlocal steps, contexts
+        steps, contexts = steps + 1, contexts + int(x.meta.context_lens.sum())
+        return forward(x)
+
+    engine.runner.forward = counted
+    for i, r in enumerate(w.requests):
+        engine.add_request(str(i), list(r.prompt_token_ids), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    weights = sum(p.numel() * p.element_size() for p in hf.parameters())
+    kv_per_token = 2 * 3 * 2 * 16 * 4  # K and V, L layers, H_kv heads of D = 64 / 4, float32
+    assert steps == max(r.max_tokens for r in w.requests) > min(r.max_tokens for r in w.requests)
+    assert traffic_bytes(w, hf) == steps * weights + contexts * kv_per_token
+
+
+def test_no_floor_off_cuda():
+    assert floor_s(10**9, torch.device("cpu")) is None
