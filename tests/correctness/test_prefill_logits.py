@@ -33,6 +33,6 @@ def test_prefill_logits_match_hf(model, attention, reference, device):
     batch = ScheduledBatch()
     batch.add(seq, len(ids))
     x = ModelRunner(weft_model, attn, device).prepare(batch).tensors
-    logits = weft_model.logits(weft_model(x.input_ids, x.positions, attn, attn.prepare(x.meta)))  # [T, V]
+    logits = weft_model.logits(weft_model(x.input_ids, x.positions, attn, attn.prepare(x.meta))).float()  # [T, V]
     expected = ref.hf_model(torch.tensor([ids], device=device)).logits[0].float()
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

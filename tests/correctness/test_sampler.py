@@ -33,6 +33,18 @@ def test_greedy_rows_take_the_argmax_beside_sampled_ones():
     assert sample(logits, None).tolist() == logits.argmax(-1).tolist()
 
 
+def test_16_bit_logits_sample_as_their_float32_copy():
+    """The runner hands the sampler the logits in the model's dtype: a greedy row's argmax (ties to the first
+    maximum) and a seeded row's draw are those of the float32 copy HF takes."""
+    logits = (4 * torch.randn(6, 300, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16)
+    logits[0, [7, 250]] = logits[0].max() + 1  # a tie: the first maximum wins
+    t = settings(6, temperature=[0.0, 1.0, 0.0, 0.7, 0.0, 1.3], top_k=[10**9, 50, 10**9, 10**9, 10**9, 5],
+                 top_p=[1.0, 0.9, 1.0, 1.0, 1.0, 0.5], seeds=[None, 1, None, 2, None, 3], position=4)
+    assert sample(logits, t).tolist() == sample(logits.float(), t).tolist()
+    assert sample(logits, None).tolist() == logits.float().argmax(-1).tolist()
+    assert sample(logits, None)[0] == 7
+
+
 def test_draws_follow_the_softmax_of_the_kept_tokens():
     torch.manual_seed(0)
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])

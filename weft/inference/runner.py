@@ -197,7 +197,8 @@ class ModelRunner:
         return StepInputs(x, sampling, prompt_targets, prompt_owners)
 
     def forward(self, x: StepTensors) -> torch.Tensor:
-        """One forward pass -> logits [B' + prompt rows, V] of the step's logit rows (every rank runs it)."""
+        """One forward pass -> logits [B' + prompt rows, V] of the step's logit rows, in the activations' dtype
+        (every rank runs it)."""
         if self.graphs is not None and self.graphs.serves(x.meta):
             hidden = self.graphs.forward(x.input_ids, x.positions, x.meta)  # [B, E]
         elif self.pieces is not None and self.pieces.serves(x.meta):
@@ -223,7 +224,7 @@ class ModelRunner:
         if not asking and not x.prompt_owners:
             return Launched(x.sampling, tokens, host, copied, [None] * n, [])
         entries = logprob_entries(
-            torch.cat([logits[asking], logits[n:]]),
+            torch.cat([logits[asking], logits[n:]]).float(),
             torch.cat([tokens[asking], self._tensor(x.prompt_targets, torch.int64)]),
             [x.sampling[i].params.logprobs for i in asking] + [s.params.prompt_logprobs for s in x.prompt_owners],
         )

@@ -30,10 +30,14 @@ class SamplingTensors:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] int64; `t` None: every row is greedy."""
+    """logits [B, V] (any float dtype) -> token ids [B] int64; `t` None: every row is greedy.
+
+    Greedy rows take the argmax of the logits as they are: converting them to float32 first (as HF
+    does) changes no value, so no argmax; the draws are computed in float32."""
     greedy = logits.argmax(dim=-1)
     if t is None:
         return greedy
+    logits = logits.float()
     B, V = logits.shape
     scaled = logits / t.temperature.clamp_min(1e-6)[:, None]
     ordered, order = scaled.sort(dim=-1, descending=True)  # [B, V], and the token id at each rank

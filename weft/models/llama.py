@@ -105,5 +105,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn, step)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, E] -> logits [B, V] float32 (every rank's vocabulary rows)"""
-        return self.tp.all_gather(self.lm_head(hidden)).float()
+        """hidden [B, E] -> logits [B, V] in the activations' dtype (every rank's vocabulary rows), as HF's
+        lm_head rounds them; what needs float32 (drawing a token, logprobs) converts the rows it reads."""
+        return self.tp.all_gather(self.lm_head(hidden))
