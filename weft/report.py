@@ -255,8 +255,8 @@ def profile_notes(df: pd.DataFrame) -> list[str]:
         floor, busy = getattr(r, "floor_ms", None), getattr(r, "gpu_busy_ms", None)
         if pd.notna(floor) and pd.notna(busy) and busy < floor:
             notes.append(f"{r.config} {r.shape}: the profiled GPU busy time ({busy:.3g} ms) is below the floor"
-                         f" ({floor:.3g} ms), which no step that reads its bytes can be: the profiler undercounts"
-                         " this step's kernels; its wall time is the measure.")
+                         f" ({floor:.3g} ms): either the step did not move the bytes the floor counts or the"
+                         " profiler missed some of its kernels; its wall time is the measure.")
     return notes
 
 

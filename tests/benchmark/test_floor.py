@@ -1,11 +1,11 @@
 """The memory-traffic floor counts what the engine reads: the weights once a step over as many steps as the
-longest output has tokens, and every context's K/V once a step."""
+longest output has tokens (an untied input embedding only by its rows), and every context's K/V once a step."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from weft.benchmark import workloads
-from weft.benchmark.floor import floor_s, traffic_bytes
+from weft.benchmark.floor import floor_s, traffic_bytes, weight_bytes
 from weft.inference.config import EngineConfig
 from weft.inference.engine import LLMEngine
 from weft.inference.params import SamplingParams
@@ -32,10 +32,21 @@ def test_the_traffic_is_the_weights_per_step_and_the_contexts_the_engine_reads()
         engine.add_request(str(i), list(r.prompt_token_ids), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    weights = sum(p.numel() * p.element_size() for p in hf.parameters())
+    # the input embedding is not tied to the output layer here: a pass reads only its tokens' rows of it
+    weights = sum(p.numel() * p.element_size() for name, p in hf.named_parameters() if "embed_tokens" not in name)
     kv_per_token = 2 * 3 * 2 * 16 * 4  # K and V, L layers, H_kv heads of D = 64 / 4, float32
     assert steps == max(r.max_tokens for r in w.requests) > min(r.max_tokens for r in w.requests)
     assert traffic_bytes(w, hf) == steps * weights + contexts * kv_per_token
+
+
+def test_a_tied_embedding_is_read_whole_as_the_output_layer():
+    config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=1000, max_position_embeddings=64)
+    tied, untied = (LlamaForCausalLM(LlamaConfig(**config, tie_word_embeddings=t)) for t in (True, False))
+    embedding = 1000 * 32 * 4
+    assert weight_bytes(tied) == sum(p.numel() * 4 for p in tied.parameters())  # the one matrix, read whole
+    assert weight_bytes(untied) == sum(p.numel() * 4 for p in untied.parameters()) - embedding
+    assert weight_bytes(tied) == weight_bytes(untied)  # either way, one output layer's worth
 
 
 def test_no_floor_off_cuda():

@@ -4,6 +4,8 @@ SiLU(gate) x up, and RoPE (after Qwen3's per-head RMSNorm or without it)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -112,6 +114,6 @@ def test_rotary(device, dtype, T, H_q, H_kv, D, with_norms):
     if dtype == torch.float32:
         with torch.no_grad():
             ops_q, ops_k = apply_rotary(q.cpu(), k.cpu(), cos.cpu(), sin.cpu(),
-                                        tuple(n.cpu() for n in norms) if norms else None)
+                                        tuple(copy.deepcopy(n).cpu() for n in norms) if norms else None)
         assert torch.allclose(got_q.cpu(), ops_q, rtol=1e-6, atol=1e-6)
         assert torch.allclose(got_k.cpu(), ops_k, rtol=1e-6, atol=1e-6)

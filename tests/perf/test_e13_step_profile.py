@@ -8,7 +8,7 @@ import torch
 
 from weft.attention import available_backends
 from weft.benchmark.environment import device_name, git_sha
-from weft.benchmark.floor import floor_s
+from weft.benchmark.floor import floor_s, kv_bytes_per_token, weight_bytes
 from weft.benchmark.profiling import step_profile
 from weft.inference.config import CHUNKED_BUDGET, EngineConfig
 from weft.inference.engine import LLMEngine
@@ -26,12 +26,15 @@ def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
         pytest.skip(f"{sizes.attention} attention does not serve on {device.type}")
     B, S, P = 1 if shape == "decode-B1" else sizes.e13_batch, sizes.e13_context, 16
     # enough that no request finishes before the profile does: the first ones admitted decode while the
-    # last ones' prompts are prefilled (B * S tokens, CHUNKED_BUDGET a step) and come to their second token,
-    # then come two warm steps, the timed and the profiled ones (and a margin, for the overlap's step)
+    # last ones' prompts are prefilled (B * S tokens, at most CHUNKED_BUDGET a step, which the decodes share)
+    # and come to their second token; then come two warm steps, the timed and the profiled ones, and a
+    # margin (the overlap's extra step, the decodes' share of the budget)
     new_tokens = cdiv(B * S, CHUNKED_BUDGET) + 2 + 2 + 2 * STEPS + 8
     longest = max(S, sizes.e13_prefill) + new_tokens
     most = B + 2 * STEPS  # the mixed steps add a request each
-    config = EngineConfig(model=model_for(sizes.model, sizes.dtype), attention=sizes.attention, block_size=P,
+    hf = model_for(sizes.model, sizes.dtype)
+    floor_s(0, device)  # the copy bandwidth, measured now, before the engine takes the device's memory
+    config = EngineConfig(model=hf, attention=sizes.attention, block_size=P,
                           num_blocks=most * cdiv(longest, P), max_num_seqs=most, max_model_len=longest,
                           max_num_batched_tokens=CHUNKED_BUDGET, dtype=sizes.dtype, device=device)
     engine = LLMEngine(config)
@@ -59,16 +62,13 @@ def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
         result = benchmark.pedantic(step_profile, args=(step, STEPS, device), rounds=1, iterations=1)
         # no request finished: every step measured held all B decodes (and the mixed ones a prefill)
         assert len(engine.requests) == B + (2 * STEPS if shape == "mixed" else 0)
-        floor_ms = None
-        if device.type == "cuda" and shape != "mixed":
-            weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-            kv = context * engine.pool.block_bytes // P
-            floor_ms = floor_s(weights + kv, device) * 1e3
+        floor = floor_s(weight_bytes(hf) + context * kv_bytes_per_token(hf), device) if shape != "mixed" else None
     finally:
         engine.close()
     benchmark.extra_info.update({
         "experiment": "e13", "config": f"{config.scheduler}×{config.attention}", "shape": shape, "B": B,
         "context": S, "prefill": sizes.e13_prefill if shape == "mixed" else 0, "model": sizes.model,
-        "dtype": sizes.dtype, "gpu": device_name(device), "git_sha": git_sha(), "floor_ms": floor_ms, **result,
+        "dtype": sizes.dtype, "gpu": device_name(device), "git_sha": git_sha(),
+        "floor_ms": floor * 1e3 if floor is not None else None, **result,
     })  # fmt: skip
     assert result["step_ms"] > 0

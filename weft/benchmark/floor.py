@@ -1,6 +1,10 @@
-"""A run's memory-traffic floor: the bytes any engine must move to serve its workload, over the copy
+"""A run's memory-traffic floor: the bytes an engine must move to serve its workload, over the copy
 bandwidth measured in the same run. The workload's alone (every configuration and peer has the same), so
-a run's makespan over it says how far that run is from what the memory allows."""
+a run's makespan over it says how far that run is from what the memory allows.
+
+What it assumes: one token per request per forward pass (no speculative decoding), no K/V shared between
+requests (no prefix read once for several), and the copy's pace (bytes read plus written) as the memory's
+(a stream that only reads may go a little faster)."""
 
 from __future__ import annotations
 
@@ -12,26 +16,40 @@ from weft.benchmark.workloads import Workload
 from weft.config import ModelConfig
 
 
+def weight_bytes(model: PreTrainedModel) -> int:
+    """The weight bytes one forward pass reads: all of them, but for an input embedding of its own (not the
+    output layer's) only the rows of the pass's tokens, too few to count."""
+    embedding = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if embedding is not model.get_output_embeddings().weight:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def kv_bytes_per_token(model: PreTrainedModel) -> int:
+    """One token's K and V across all layers, in the model's dtype."""
+    cfg = ModelConfig.from_hf(model.config)
+    return 2 * cfg.L * cfg.H_kv * cfg.D * torch.empty((), dtype=model.dtype).element_size()
+
+
 def traffic_bytes(workload: Workload, model: PreTrainedModel) -> int:
     """Bytes that must move to serve `workload` with `model` (its outputs exactly as long as asked).
 
-    A forward pass reads every weight once, and a request of n outputs needs n passes (one token each),
-    so the run takes at least the longest request's n passes. Attention reads each cached token's K/V once
-    per later token of its request: a prompt of p tokens reads its own p once, then its outputs 2 .. n
-    read p + 1 .. p + n - 1: n * p + n * (n - 1) / 2 tokens' K/V in all.
+    A forward pass reads the weights once, and a request of n outputs needs n passes (one token each), so
+    the run takes at least the longest request's n passes. Attention reads or writes each token's K/V once
+    per pass of its request from its own on: the prompt's pass p tokens, the passes of outputs 2 .. n
+    p + 1 .. p + n - 1 (a step's context, its new token in it): n * p + n * (n - 1) / 2 tokens' K/V in all.
     """
-    cfg = ModelConfig.from_hf(model.config)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_token = 2 * cfg.L * cfg.H_kv * cfg.D * torch.empty((), dtype=model.dtype).element_size()
     passes = max(r.max_tokens for r in workload.requests)
-    reads = sum(r.max_tokens * len(r.prompt_token_ids) + r.max_tokens * (r.max_tokens - 1) // 2
-                for r in workload.requests)
-    return passes * weights + reads * kv_per_token
+    tokens = sum(r.max_tokens * len(r.prompt_token_ids) + r.max_tokens * (r.max_tokens - 1) // 2
+                 for r in workload.requests)
+    return passes * weight_bytes(model) + tokens * kv_bytes_per_token(model)
 
 
 def floor_s(nbytes: int, device: torch.device) -> float | None:
     """Seconds `nbytes` take at the device's measured copy bandwidth (bytes read plus written); None off
-    CUDA. Measured on first use and kept: call it before a server takes the memory the copy needs."""
+    CUDA. Measured on the first call and kept; that call copies 2 GiB, so it comes before a server takes the
+    device's memory."""
     if device.type != "cuda":
         return None
     return nbytes / (copy_bandwidth_gbps() * 1e9)

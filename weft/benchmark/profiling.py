@@ -42,7 +42,7 @@ KERNEL_CLASSES = (
     ("attention", ("_split_kernel", "_merge", "_prefill_kernel", "attention", "flash", "fmha")),
     ("kv write", ("_write_kernel",)),
     ("norm", ("rms_norm",)),
-    ("rope", ("_rotary",)),
+    ("rope", ("_rotary",)),  # with Qwen3's q/k RMSNorms from 4cdf5f1 on (one kernel)
     ("activation", ("_silu",)),
     ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "sm90", "splitk")),
     ("sampling", ("sort", "topk", "argmax", "softmax", "exponential", "max_")),

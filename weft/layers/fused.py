@@ -96,7 +96,7 @@ def _rotate_row(src, dst, cos, sin, weight, eps, HALF: tl.constexpr, BLOCK: tl.c
     mask = col < HALF
     x1, x2 = tl.load(src + col, mask=mask, other=0.0), tl.load(src + HALF + col, mask=mask, other=0.0)
     dt = dst.dtype.element_ty
-    if NORM:  # the head's RMSNorm first, rounded as add_rms_norm rounds it
+    if NORM:  # the head's RMSNorm first, rounded where add_rms_norm rounds (its sum of squares in another order)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / (2 * HALF) + eps)
         w1, w2 = tl.load(weight + col, mask=mask), tl.load(weight + HALF + col, mask=mask)

@@ -33,7 +33,7 @@ def apply_rotary(
     if fused.on_kernels(q):
         if norms is None:
             return fused.rotary(q, k, cos, sin)
-        q_norm, k_norm = norms
+        q_norm, k_norm = norms  # one epsilon for both: a model's rms_eps
         return fused.rotary(q, k, cos, sin, (q_norm.weight, k_norm.weight), q_norm.eps)
     if norms is not None:
         q, k = norms[0](q), norms[1](k)
