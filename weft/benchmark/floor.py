@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from weft.attention.base import AttentionBackend
 from weft.benchmark.environment import copy_bandwidth_gbps
 from weft.benchmark.workloads import Workload
 from weft.config import ModelConfig
@@ -27,9 +28,8 @@ def weight_bytes(model: PreTrainedModel) -> int:
 
 
 def kv_bytes_per_token(model: PreTrainedModel) -> int:
-    """One token's K and V across all layers, in the model's dtype."""
-    cfg = ModelConfig.from_hf(model.config)
-    return 2 * cfg.L * cfg.H_kv * cfg.D * torch.empty((), dtype=model.dtype).element_size()
+    """One token's K and V across all layers, in the model's dtype (what a KV pool spends on it)."""
+    return AttentionBackend.block_bytes(ModelConfig.from_hf(model.config), 1, model.dtype)
 
 
 def traffic_bytes(workload: Workload, model: PreTrainedModel) -> int:
