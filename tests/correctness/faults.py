@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from weft.attention.paged import PagedBackend, write_paged
+from weft.attention.base import CacheSlots
+from weft.attention.paged import PagedBackend
 
 
 class OffByOneWrite(PagedBackend):
-    """Writes each token's K/V one slot too far: the bug class paged caches are prone to."""
+    """Writes each token's K/V one slot too far: the bug class paged caches are prone to. Its slots are the
+    one place both writes read (`write`'s indexed copy and the RoPE kernel's store)."""
 
     name = "off-by-one"
 
-    def write(self, layer, k, v, step):
-        write_paged(self.kv_cache, layer, k, v, step.meta.slot_mapping + 1)
+    def cache_slots(self, layer, step):
+        cache = super().cache_slots(layer, step)
+        return CacheSlots(cache.slot_mapping + 1, cache.k_rows, cache.v_rows)

@@ -18,9 +18,8 @@ from tests.kernels.paged_case import (
 from weft.attention.kernels import DecodeSplits, decode, decode_attention
 from weft.attention.kernels.decode import (
     DEEP_TILES,
-    FLOAT32_TILES,
     MERGE_ELEMENTS,
-    WIDE_TILES,
+    SHALLOW_TILES,
     Tiles,
     _constexprs,
     best_num_splits,
@@ -66,17 +65,6 @@ def use_tiles(monkeypatch, tiles: Tiles) -> None:
     monkeypatch.setattr(decode, "tiles_for", lambda *args: tiles)
 
 
-@pytest.fixture(params=[FLOAT32_TILES, WIDE_TILES], ids=["64-token-tiles", "32-token-tiles"])
-def tile_config(request, monkeypatch) -> Tiles:
-    """Both tile sizes, walked in float32: the interpreter computes bfloat16 wrongly, but how a split
-    walks its tiles does not depend on the dtype (nor on the stages, which the interpreter ignores:
-    deep tiles walk as float32's do). On the GPU, each 16-bit configuration runs in bfloat16."""
-    if request.param not in tile_options(torch.float32) and torch.cuda.is_available():
-        pytest.skip("on the GPU the 32-token tiles run in 16 bits (test_decode_gpu)")
-    use_tiles(monkeypatch, request.param)
-    return request.param
-
-
 def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> None:
     """Two launches over one plan, as a step's layers use it, each on NaN-poisoned scratch: a merge
     that read a split's part before it was stored, or counters not ready again, fail here."""
@@ -95,7 +83,7 @@ def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(("group", "D", "P", "context_lens", "num_splits"), CPU_CASES)
-def test_decode_fp32(device, tile_config, group, D, P, context_lens, num_splits):
+def test_decode_fp32(device, group, D, P, context_lens, num_splits):
     H_kv, q_lens = 2, [1] * len(context_lens)
     case = make_case(group * H_kv, H_kv, D, P, q_lens, context_lens, torch.float32, device, 0)
     assert_decodes(case, num_splits, reference(case, D**-0.5))
@@ -121,7 +109,7 @@ def test_decode_gpu(device, monkeypatch, group, D, P, dtype, tiles):
         (80, 8, [40, 1, 17], 3, 4),  # a padded head (test_decode_touches_only_lanes_below_D checks its lanes)
     ],
 )
-def test_decode_reads_table_in_bounds(monkeypatch, tile_config, D, P, context_lens, extra_columns, num_splits):
+def test_decode_reads_table_in_bounds(monkeypatch, D, P, context_lens, extra_columns, num_splits):
     """The kernel reads the block table a tile ahead, but never past a row's end. The table here is
     a view into a wider tensor, so such a read would land in memory that exists and change nothing
     in the output: only the addresses the interpreter loads from can show it."""
@@ -185,7 +173,7 @@ def test_padded_head_shapes(group, D):
     most MERGE_ELEMENTS (or one split), and the splits' scratch holds all D_PAD lanes."""
     D_PAD = padded_head_dim(D)
     assert D_PAD >= max(16, D) and D_PAD & (D_PAD - 1) == 0 and (D_PAD == D or D_PAD < 2 * max(16, D))
-    consts = _constexprs(2 * group, 2, D, 16, FLOAT32_TILES)
+    consts = _constexprs(2 * group, 2, D, 16, SHALLOW_TILES)
     assert (consts["D"], consts["D_PAD"]) == (D, D_PAD)
     tile = consts["MERGE_TILE"]
     assert tile & (tile - 1) == 0 and (tile == 1 or tile * consts["GROUP_P2"] * D_PAD <= MERGE_ELEMENTS)
@@ -205,11 +193,11 @@ def test_decode_single_request_splits(device):
 @pytest.mark.parametrize(
     ("pairs", "tiles", "slots", "expected"),
     [
-        (64, 128, 660, 8),  # B=8, S=4096 under wide tiles (5 programs per SM): 6..10 splits fit, 8 deal 16 each
+        (64, 128, 660, 8),  # 5 programs per SM (32-token tiles before this commit): 6..10 splits fit, 8 deal 16 each
         (64, 256, 660, 8),  # S=8192: 32 tiles each
         (64, 67, 660, 10),  # no count deals 67 evenly: 7 and 10 splits waste as little; more splits win the tie
-        (64, 67, 528, 7),  # with 4 programs per SM (bf16 64-token tiles before 1f59403) 10 no longer fit: 5 or 7
-        (8, 128, 660, 64),  # B=1 under wide tiles: 42..82 splits fill half a wave to one; 64 deal 2 tiles each
+        (64, 67, 528, 7),  # with 4 programs per SM (bf16 shallow tiles) 10 no longer fit: 5 or 7
+        (8, 128, 660, 64),  # B=1 at 660 slots: 42..82 splits fill half a wave to one; 64 deal 2 tiles each
         (512, 64, 660, 1),  # B=64: one split per program already fills the GPU about once
         (512, 1280, 660, 1),  # a CUDA graph's plan for a 40960-token table: still never past one wave
         (8, 3, 660, 3),  # never more splits than tiles
@@ -232,12 +220,13 @@ def no_slots() -> int:
         (torch.bfloat16, 8, 396, DEEP_TILES),  # B=1 at H_kv=8 on the H200
         (torch.bfloat16, 64, 396, DEEP_TILES),  # B=8
         (torch.bfloat16, 264, 396, DEEP_TILES),  # B=33: two thirds of a deep wave, the largest batch still deep
-        (torch.bfloat16, 265, 396, WIDE_TILES),
-        (torch.float16, 512, 396, WIDE_TILES),  # B=64: a deep wave would not hold it
-        (torch.bfloat16, 1, 1, WIDE_TILES),  # the interpreter: one program at a time
-        (torch.bfloat16, 1, 0, WIDE_TILES),  # a GPU that cannot hold a deep program at all
-        (torch.float32, 8, no_slots, FLOAT32_TILES),
-        (torch.float32, 512, no_slots, FLOAT32_TILES),
+        (torch.bfloat16, 265, 396, SHALLOW_TILES),
+        (torch.float16, 512, 396, SHALLOW_TILES),  # B=64: a deep wave would not hold it
+        (torch.bfloat16, 2048, 396, SHALLOW_TILES),  # B=256
+        (torch.bfloat16, 1, 1, SHALLOW_TILES),  # the interpreter: one program at a time
+        (torch.bfloat16, 1, 0, SHALLOW_TILES),  # a GPU that cannot hold a deep program at all
+        (torch.float32, 8, no_slots, SHALLOW_TILES),
+        (torch.float32, 512, no_slots, SHALLOW_TILES),
     ],
 )
 def test_tiles_for(dtype, pairs, deep_slots, expected):
@@ -250,19 +239,20 @@ def test_tiles_for(dtype, pairs, deep_slots, expected):
     [
         (1, torch.bfloat16, DEEP_TILES, 32),
         (8, torch.bfloat16, DEEP_TILES, 4),
-        (64, torch.bfloat16, WIDE_TILES, 1),
-        (8, torch.float32, FLOAT32_TILES, 4),  # float32 asks only for its own tiles' slots
+        (64, torch.bfloat16, SHALLOW_TILES, 1),
+        (8, torch.float32, SHALLOW_TILES, 4),  # float32 asks only for its own tiles' slots
     ],
 )
 def test_plan_takes_slots_of_its_tiles(monkeypatch, B, dtype, tiles, num_splits):
     """The plan weighs the deep tiles' occupancy and splits by the chosen tiles' own. Occupancy is the
     GPU's answer (test_resident_programs); here the H200's, so that the wiring runs on the CPU too."""
-    occupancy = {DEEP_TILES: 396, WIDE_TILES: 660, FLOAT32_TILES: 264}
+    occupancy = {(torch.bfloat16, DEEP_TILES): 396, (torch.bfloat16, SHALLOW_TILES): 528,
+                 (torch.float32, SHALLOW_TILES): 264}
     asked = []
 
     def resident(device, dtype, H_q, H_kv, D, P, tiles):
         asked.append(tiles)
-        return occupancy[tiles]
+        return occupancy[dtype, tiles]
 
     monkeypatch.setattr(decode, "resident_programs", resident)
     splits = DecodeSplits.plan(B, 16, 8, 128, 16, dtype, 4096, "cpu")

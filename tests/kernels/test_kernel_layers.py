@@ -1,6 +1,7 @@
 """The layer kernels (weft/layers/fused.py) against float64 references, and against the PyTorch ops the
 layers run off CUDA: residual add + RMSNorm, on hidden rows and on per-head rows of a strided q,
-SiLU(gate) x up, and RoPE (after Qwen3's per-head RMSNorm or without it)."""
+SiLU(gate) x up, and RoPE (after Qwen3's per-head RMSNorm or without it; returning k, or storing it and v
+in the cache)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weft.layers.fused import add_rms_norm, rotary, silu_and_mul
+from weft.layers.fused import add_rms_norm, rotary, rotary_store, silu_and_mul
 
 pytestmark = pytest.mark.kernels
 
@@ -117,3 +118,33 @@ def test_rotary(device, dtype, T, H_q, H_kv, D, with_norms):
                                         tuple(copy.deepcopy(n).cpu() for n in norms) if norms else None)
         assert torch.allclose(got_q.cpu(), ops_q, rtol=1e-6, atol=1e-6)
         assert torch.allclose(got_k.cpu(), ops_k, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
+@pytest.mark.parametrize(("T", "H_q", "H_kv", "D"), [(1, 2, 1, 64), (7, 6, 2, 48), (5, 16, 8, 128)])
+@pytest.mark.parametrize("with_norms", [False, True], ids=["rope", "norm-rope"])
+def test_rotary_store(device, dtype, T, H_q, H_kv, D, with_norms):
+    """With the cache's slots, the kernel stores rotated k and v (strided views of qkv, as the model's) in
+    rows slot_mapping[t] and nothing else (slots < 0: padding rows), and returns q as `rotary` does: the
+    same bits of q and k as `rotary`'s, whose values test_rotary checks."""
+    g = torch.Generator().manual_seed(T * D)
+    qkv = (3 * torch.randn(T, (H_q + 2 * H_kv) * D, generator=g)).to(dtype).to(device)
+    q, k, v = (x.view(T, -1, D) for x in qkv.split([H_q * D, H_kv * D, H_kv * D], dim=-1))
+    angles = torch.rand(T, 1, D, generator=g) * 6
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    weights = tuple((1 + torch.randn(D, generator=g)).to(dtype).to(device) for _ in "qk") if with_norms else None
+    slots = torch.randperm(4 * T, generator=g)[:T]
+    slots[1::2] = -1
+    k_rows = torch.full((4 * T, H_kv, D), float("nan"), dtype=dtype, device=device)
+    v_rows = torch.full_like(k_rows, float("nan"))
+
+    got_q = rotary_store(q, k, v, cos, sin, slots.to(device), k_rows, v_rows, weights, EPS)
+
+    want_q, want_k = rotary(q, k, cos, sin, weights, EPS)
+    assert torch.equal(got_q, want_q) and got_q.is_contiguous()
+    real = slots >= 0
+    want_k_rows, want_v_rows = (torch.full_like(k_rows, float("nan")) for _ in "kv")
+    want_k_rows[slots[real]] = want_k[real.to(device)]
+    want_v_rows[slots[real]] = v[real.to(device)]
+    for got, want in ((k_rows, want_k_rows), (v_rows, want_v_rows)):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())

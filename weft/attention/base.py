@@ -2,7 +2,8 @@
 
 The runner builds one `AttentionMetadata` per step (flat tensors, shared by all L layers);
 each backend may derive extra per-step state from it once, in `prepare`, and then every layer
-calls `forward`, which writes this step's K/V into the slab and attends over it. `check`, which
+calls `forward`, which writes this step's K/V into the slab and attends over it (or, where the
+backend gives its `cache_slots`, stores K/V in the same kernel as RoPE and calls `attend`). `check`, which
 refuses metadata that would read or write out of bounds (for the triton backend at the cost of
 a host-device sync), runs on every step only with `check_steps` (WEFT_CHECK_STEPS=1): the runner
 builds metadata that holds by construction, and the tests prove it does. A backend whose per-step
@@ -51,6 +52,16 @@ class AttentionMetadata:
     def is_decode(self) -> bool:
         """Every request brings exactly one new token."""
         return self.num_decodes == self.num_requests
+
+
+@dataclass(frozen=True)
+class CacheSlots:
+    """Where one layer's new K/V go, for a kernel that stores them itself (weft.layers.fused.rotary_store):
+    token t's H_kv * D values at row slot_mapping[t] (< 0: nowhere) of k_rows / v_rows."""
+
+    slot_mapping: torch.Tensor  # [T_total] int64
+    k_rows: torch.Tensor  # [N * P, H_kv, D], contiguous views of the cache
+    v_rows: torch.Tensor
 
 
 CHECK_STEPS = os.environ.get("WEFT_CHECK_STEPS", "") == "1"
@@ -112,6 +123,11 @@ class AttentionBackend(ABC):
         piecewise graph's buffer); stores k/v first."""
         self.write(layer, k, v, step)
         return self.attend(layer, q, step, out)
+
+    def cache_slots(self, layer: int, step: Any) -> CacheSlots | None:
+        """Where a kernel may store this step's K/V of `layer` itself, `attend` then following without `write`;
+        None (the default) where slots are not rows of the cache."""
+        return None
 
     @abstractmethod
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: Any) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from weft.attention.base import AttentionBackend, AttentionMetadata
+from weft.attention.base import AttentionBackend, AttentionMetadata, CacheSlots
 from weft.attention.padded import PaddedStep, attend_padded, plan_padded
 from weft.config import ModelConfig
 
@@ -23,8 +23,13 @@ class PagedBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> PaddedStep:
         return plan_padded(meta)
 
+    def cache_slots(self, layer: int, step: PaddedStep) -> CacheSlots:
+        return slot_rows(self.kv_cache, layer, step.meta.slot_mapping)
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: PaddedStep) -> None:
-        write_paged(self.kv_cache, layer, k, v, step.meta.slot_mapping)
+        cache = self.cache_slots(layer, step)
+        cache.k_rows[cache.slot_mapping] = k
+        cache.v_rows[cache.slot_mapping] = v
 
     def attend(self, layer: int, q: torch.Tensor, step: PaddedStep, out: torch.Tensor | None = None) -> torch.Tensor:
         meta = step.meta
@@ -35,9 +40,6 @@ class PagedBackend(AttentionBackend):
         return attend_padded(q, k, v, step, self.scale, out)
 
 
-def write_paged(
-    kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Scatter k/v [T_total, H_kv, D] into slab [2, L, N, P, H_kv, D] at slot_mapping [T_total]."""
-    kv_cache[0, layer].flatten(0, 1)[slot_mapping] = k
-    kv_cache[1, layer].flatten(0, 1)[slot_mapping] = v
+def slot_rows(kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor) -> CacheSlots:
+    """Slab [2, L, N, P, H_kv, D]: layer `layer`'s K and V as rows [N * P, H_kv, D], one per slot."""
+    return CacheSlots(slot_mapping, kv_cache[0, layer].flatten(0, 1), kv_cache[1, layer].flatten(0, 1))

@@ -1,9 +1,9 @@
 """Triton backend: the paged slab [2, L, N, P, H_kv, D], read in place by Triton kernels.
 
-Writes are one kernel per layer (slots < 0 skipped). Reads follow the block table inside
-the kernels, so nothing is gathered into a padded copy: a step's decodes (one new token
-each) run split-KV flash-decoding, its other requests a causal flash-attention kernel over
-the cache; a mixed step launches both, each on its own requests.
+Writes are RoPE's kernel's (`cache_slots`) or, after a piecewise graph, one kernel per layer (slots < 0
+skipped). Reads follow the block table inside the kernels, so nothing is gathered into a padded copy: a
+step's decodes (one new token each) run split-KV flash-decoding, its other requests a causal
+flash-attention kernel over the cache; a mixed step launches both, each on its own requests.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from weft.attention.base import AttentionBackend, AttentionMetadata
+from weft.attention.base import AttentionBackend, AttentionMetadata, CacheSlots
 from weft.attention.kernels import DecodeSplits, decode_attention, prefill_attention, write_kv
 from weft.attention.kernels.tiles import MAX_HEAD_DIM
-from weft.attention.paged import PagedBackend
+from weft.attention.paged import PagedBackend, slot_rows
 from weft.config import ModelConfig
 
 
@@ -49,6 +49,9 @@ class TritonBackend(AttentionBackend):
                 cache.device,
             )
         return TritonStep(meta, splits)
+
+    def cache_slots(self, layer: int, step: TritonStep) -> CacheSlots:
+        return slot_rows(self.kv_cache, layer, step.meta.slot_mapping)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: TritonStep) -> None:
         self._check_tokens("k", k, self.cfg.H_kv, step.meta)

@@ -200,6 +200,10 @@ class _AttentionCut:
         if self.pool is not None:
             self.pieces.graphs[-1].capture_end()
 
+    def cache_slots(self, layer: int, step: Any) -> None:
+        """None: K/V are stored by the eager attention between the graphs, with the step's own slots."""
+        return None
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Any) -> torch.Tensor:
         for buffer, x in zip((self.buffers.q, self.buffers.k, self.buffers.v), (q, k, v), strict=True):
             buffer.copy_(x)

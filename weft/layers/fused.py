@@ -1,7 +1,7 @@
 """Triton kernels for the layers around attention, so that a decode step is a few kernels per layer:
 the residual add with the RMSNorm after it, RoPE on q and k together (after Qwen3's RMSNorm of each
-head), and SiLU(gate) x up. The layers
-(norm.py, rotary.py, mlp.py) call them on CUDA and compute the same in PyTorch ops elsewhere, as HF does.
+head; where the backend lets it, storing k and v in the KV cache in the same launch), and SiLU(gate) x up.
+The layers (norm.py, rotary.py, mlp.py) call them on CUDA and compute the same in PyTorch ops elsewhere, as HF does.
 
 Each rounds where PyTorch rounds: the residual sum and the normalized value are rounded to the
 activations' dtype before the weight multiplies (HF: `weight * x.to(input_dtype)`), RoPE's two
@@ -91,41 +91,81 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_row(src, dst, cos, sin, weight, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
-    col = tl.arange(0, BLOCK)
-    mask = col < HALF
-    x1, x2 = tl.load(src + col, mask=mask, other=0.0), tl.load(src + HALF + col, mask=mask, other=0.0)
+def _rotate_heads(src, stride_h, H, dst, stride_dst, cos, sin, weight, eps,
+                  HALF: tl.constexpr, BLOCK: tl.constexpr, H_PAD: tl.constexpr, NORM: tl.constexpr):
+    """One token's heads 0..H-1 (rows of D = 2 * HALF values at src + h * stride_h) -> dst + h * stride_dst:
+    each normalized (NORM) and rotated (H = 0: nothing read or written)."""
+    h = tl.arange(0, H_PAD)[:, None]
+    col = tl.arange(0, BLOCK)[None, :]
+    mask = (h < H) & (col < HALF)
+    rows = src + h * stride_h + col
+    x1, x2 = tl.load(rows, mask=mask, other=0.0), tl.load(rows + HALF, mask=mask, other=0.0)
     dt = dst.dtype.element_ty
-    if NORM:  # the head's RMSNorm first, rounded where add_rms_norm rounds (its sum of squares in another order)
+    if NORM:  # each head's RMSNorm first, rounded where add_rms_norm rounds (its sum of squares in another order)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / (2 * HALF) + eps)
-        w1, w2 = tl.load(weight + col, mask=mask), tl.load(weight + HALF + col, mask=mask)
+        inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1, w2 = tl.load(weight + col, mask=col < HALF), tl.load(weight + HALF + col, mask=col < HALF)
         x1 = (w1.to(tl.float32) * (f1 * inv).to(dt).to(tl.float32)).to(dt)
         x2 = (w2.to(tl.float32) * (f2 * inv).to(dt).to(tl.float32)).to(dt)
-    c1, c2 = tl.load(cos + col, mask=mask), tl.load(cos + HALF + col, mask=mask)
-    s1, s2 = tl.load(sin + col, mask=mask), tl.load(sin + HALF + col, mask=mask)
+    c1, c2 = tl.load(cos + col, mask=col < HALF), tl.load(cos + HALF + col, mask=col < HALF)
+    s1, s2 = tl.load(sin + col, mask=col < HALF), tl.load(sin + HALF + col, mask=col < HALF)
     # x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype as PyTorch rounds them
     y1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
     y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-    tl.store(dst + col, y1.to(dt), mask=mask)
-    tl.store(dst + HALF + col, y2.to(dt), mask=mask)
+    out = dst + h * stride_dst + col
+    tl.store(out, y1.to(dt), mask=mask)
+    tl.store(out + HALF, y2.to(dt), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr, k_out_ptr, H_q, H_kv, eps,
-    stride_qt, stride_qh, stride_kt, stride_kh,
-    D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, slots_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
+    H_q, H_kv, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
 ):
-    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)  # heads 0..H_q-1 of q, then the H_kv of k
+    t = tl.program_id(0).to(tl.int64)  # one token, all its heads
     cos, sin = cos_ptr + t * D, sin_ptr + t * D
-    if h < H_q:
-        _rotate_row(q_ptr + t * stride_qt + h * stride_qh, q_out_ptr + (t * H_q + h) * D, cos, sin, q_weight_ptr,
-                    eps, HALF, BLOCK, NORM)
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, H_q, q_out_ptr + t * H_q * D, D, cos, sin, q_weight_ptr, eps,
+                  HALF, BLOCK, HQ_PAD, NORM)
+    if STORE:  # k and v into the cache's row of the token's slot (rows of H_kv * D values); slot < 0: nowhere
+        slot = tl.load(slots_ptr + t)
+        heads = tl.where(slot >= 0, H_kv, 0)
+        k_row = k_out_ptr + slot * (H_kv * D)
+        h = tl.arange(0, HKV_PAD)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < heads) & (d < D)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(v_out_ptr + slot * (H_kv * D) + h * D + d, v, mask=mask)
     else:
-        hk = h - H_q
-        _rotate_row(k_ptr + t * stride_kt + hk * stride_kh, k_out_ptr + (t * H_kv + hk) * D, cos, sin, k_weight_ptr,
-                    eps, HALF, BLOCK, NORM)
+        heads = H_kv
+        k_row = k_out_ptr + t * (H_kv * D)
+    _rotate_heads(k_ptr + t * stride_kt, stride_kh, heads, k_row, D, cos, sin, k_weight_ptr, eps, HALF, BLOCK,
+                  HKV_PAD, NORM)
+
+
+def _rotary_launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float, slots: torch.Tensor | None,
+    q_out: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor | None,
+) -> None:
+    """One program per token: q into q_out [T, H_q, D]; k into k_out [T, H_kv, D], or with `slots` (and v),
+    k and v into rows slots[t] of k_out / v_out."""
+    T, H_q, D = q.shape
+    H_kv = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    assert D % 2 == 0 and cos.shape == sin.shape == (T, 1, D)
+    assert norms is None or all(w.shape == (D,) and w.is_contiguous() for w in norms)
+    q_weight, k_weight = norms if norms is not None else (q, k)  # unread without norms
+    store = slots is not None
+    _rotary_kernel[(T,)](
+        q, k, v if store else k, cos, sin, q_weight, k_weight, slots if store else k, q_out, k_out,
+        v_out if store else k_out, H_q, H_kv, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0) if store else 0, v.stride(1) if store else 0,
+        D=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), BLOCK_D=triton.next_power_of_2(D),
+        HQ_PAD=triton.next_power_of_2(H_q), HKV_PAD=triton.next_power_of_2(H_kv), NORM=norms is not None,
+        STORE=store, enable_fp_fusion=False,
+    )
 
 
 def rotary(
@@ -135,17 +175,23 @@ def rotary(
     """q [T, H_q, D], k [T, H_kv, D] (rows of D contiguous), cos/sin [T, 1, D] of their dtype ->
     rotated q, k (rotate-half convention), contiguous: both in one launch. `norms`: the weights [D] of an
     RMSNorm (epsilon `eps`) over each head of q and of k, applied first in the same launch (Qwen3's)."""
-    T, H_q, D = q.shape
-    H_kv = k.shape[1]
-    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
-    assert D % 2 == 0 and cos.shape == sin.shape == (T, 1, D)
-    assert norms is None or all(w.shape == (D,) and w.is_contiguous() for w in norms)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    q_weight, k_weight = norms if norms is not None else (q, k)  # unread without norms
-    _rotary_kernel[(T, H_q + H_kv)](
-        q, k, cos, sin, q_weight, k_weight, q_out, k_out, H_q, H_kv, eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        D=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), NORM=norms is not None, enable_fp_fusion=False,
-    )
+    _rotary_launch(q, k, None, cos, sin, norms, eps, None, q_out, k_out, None)
     return q_out, k_out
+
+
+def rotary_store(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    slot_mapping: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 0.0,
+) -> torch.Tensor:
+    """`rotary`, with k rotated and v [T, H_kv, D] (rows of D contiguous) stored in the cache instead of
+    returned: token t's at row slot_mapping[t] (int64 [T]; < 0: nowhere) of k_rows / v_rows [slots, H_kv, D]
+    (contiguous) -> rotated q. The RoPE and the K/V write in one launch."""
+    T, H_kv, D = k.shape
+    assert v.shape == k.shape and v.stride(2) == 1 and slot_mapping.shape == (T,) and slot_mapping.is_contiguous()
+    assert k_rows.is_contiguous() and v_rows.is_contiguous() and k_rows.shape[1:] == v_rows.shape[1:] == (H_kv, D)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _rotary_launch(q, k, v, cos, sin, norms, eps, slot_mapping, q_out, k_rows, v_rows)
+    return q_out

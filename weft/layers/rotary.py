@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from weft.attention.base import CacheSlots
 from weft.layers import fused
 from weft.layers.norm import RMSNorm
 
@@ -31,13 +32,27 @@ def apply_rotary(
     """q [T_total, H_q, D], k [T_total, H_kv, D], cos/sin [T_total, 1, D] -> rotated q, k; `norms`: RMSNorms
     over each head of q and of k, applied first (Qwen3). On CUDA one Triton kernel does it all, fused.rotary."""
     if fused.on_kernels(q):
-        if norms is None:
-            return fused.rotary(q, k, cos, sin)
-        q_norm, k_norm = norms  # one epsilon for both: a model's rms_eps
-        return fused.rotary(q, k, cos, sin, (q_norm.weight, k_norm.weight), q_norm.eps)
+        return fused.rotary(q, k, cos, sin, *_weights(norms))
     if norms is not None:
         q, k = norms[0](q), norms[1](k)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def rotate_into_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheSlots,
+    norms: tuple[RMSNorm, RMSNorm] | None = None,
+) -> torch.Tensor:
+    """`apply_rotary`'s q and k, with k (rotated) and v [T_total, H_kv, D] stored at `cache`'s slots instead of
+    returned -> rotated q: the RoPE and the K/V write in one kernel (fused.rotary_store; where the kernels run)."""
+    return fused.rotary_store(q, k, v, cos, sin, cache.slot_mapping, cache.k_rows, cache.v_rows, *_weights(norms))
+
+
+def _weights(norms: tuple[RMSNorm, RMSNorm] | None) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:
+    """The kernels' norm arguments: both norms' weights and their one epsilon (a model's rms_eps)."""
+    if norms is None:
+        return None, 0.0
+    q_norm, k_norm = norms
+    return (q_norm.weight, k_norm.weight), q_norm.eps
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

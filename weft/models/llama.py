@@ -16,10 +16,11 @@ from torch import nn
 from weft.attention.base import AttentionBackend
 from weft.config import ModelConfig
 from weft.distributed import SINGLE, TensorParallel
+from weft.layers import fused
 from weft.layers.mlp import SwiGLU
 from weft.layers.norm import RMSNorm
 from weft.layers.parallel import RowParallelLinear, VocabParallelEmbedding
-from weft.layers.rotary import RotaryEmbedding, apply_rotary
+from weft.layers.rotary import RotaryEmbedding, apply_rotary, rotate_into_cache
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T_total, 1, D] of this step's positions
 
@@ -32,16 +33,22 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.E, (cfg.H_q + 2 * cfg.H_kv) * cfg.D, bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.H_q * cfg.D, cfg.E, cfg.attention_bias, tp)
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T_total, H_q, D], k [T_total, H_kv, D] -> the two with their positions applied."""
-        return apply_rotary(q, k, *rope)
+    def head_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
+        """RMSNorms over each head of q and of k before RoPE (Qwen3's); Llama has none."""
+        return None
 
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend, step: Any) -> torch.Tensor:
         """x [T_total, E] -> [T_total, E]"""
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.H_q * cfg.D, cfg.H_kv * cfg.D, cfg.H_kv * cfg.D], dim=-1)
-        q, k = self.rotate(q.view(-1, cfg.H_q, cfg.D), k.view(-1, cfg.H_kv, cfg.D), rope)
-        o = attn.forward(self.layer, q, k, v.view(-1, cfg.H_kv, cfg.D), step)  # [T_total, H_q, D]
+        heads = (cfg.H_q, cfg.H_kv, cfg.H_kv)
+        qkv = self.qkv_proj(x).split([h * cfg.D for h in heads], dim=-1)
+        q, k, v = (t.view(-1, h, cfg.D) for t, h in zip(qkv, heads, strict=True))
+        cache = attn.cache_slots(self.layer, step) if fused.on_kernels(q) else None
+        if cache is None:
+            q, k = apply_rotary(q, k, *rope, self.head_norms())
+            o = attn.forward(self.layer, q, k, v, step)  # [T_total, H_q, D]
+        else:  # RoPE's kernel stores k and v in the cache
+            o = attn.attend(self.layer, rotate_into_cache(q, k, v, *rope, cache, self.head_norms()), step)
         return self.o_proj(o.flatten(1))
 
 

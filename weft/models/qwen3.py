@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from weft.config import ModelConfig
 from weft.distributed import TensorParallel
 from weft.layers.norm import RMSNorm
-from weft.layers.rotary import apply_rotary
-from weft.models.llama import LlamaAttention, LlamaForCausalLM, Rope
+from weft.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
@@ -17,9 +14,8 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(cfg.D, cfg.rms_eps)
         self.k_norm = RMSNorm(cfg.D, cfg.rms_eps)
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T_total, H_q, D], k [T_total, H_kv, D]: each head normalized, then rotated (one kernel on CUDA)."""
-        return apply_rotary(q, k, *rope, norms=(self.q_norm, self.k_norm))
+    def head_norms(self) -> tuple[RMSNorm, RMSNorm]:
+        return self.q_norm, self.k_norm
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -182,36 +182,34 @@ class Tiles:
     num_stages: int
 
 
-# float32: 64-token tiles one at a time (32-token ones spill registers; results/logs/h200_decode_splits.txt,
-# section 7b). 16-bit: two tiles in flight, of 64 tokens ("deep": fewer programs per SM, each with more
-# bytes in flight) or of 32 ("wide": more programs per SM).
-FLOAT32_TILES = Tiles(64, 2)
+# 64-token tiles, loaded one ("shallow") or two ("deep": fewer programs per SM, each with more bytes in
+# flight) ahead of the one being computed. float32 walks shallow ones only (with 32-token tiles it spills
+# registers; results/logs/h200_decode_splits.txt, section 7b).
+SHALLOW_TILES = Tiles(64, 2)
 DEEP_TILES = Tiles(64, 3)
-WIDE_TILES = Tiles(32, 3)
 
 
 def tile_options(dtype: torch.dtype) -> tuple[Tiles, ...]:
     """The tile configurations a cache of `dtype` may be walked with."""
-    return (FLOAT32_TILES,) if dtype == torch.float32 else (DEEP_TILES, WIDE_TILES)
+    return (SHALLOW_TILES,) if dtype == torch.float32 else (DEEP_TILES, SHALLOW_TILES)
 
 
 def tiles_for(dtype: torch.dtype, pairs: int, deep_slots: Callable[[], int]) -> Tiles:
     """The tiles for a step of `pairs` (request, KV head) pairs; `deep_slots()`: how many deep
     programs the GPU holds at once.
 
-    Deep tiles while the pairs fill at most two thirds of a wave of them, wide ones beyond; a GPU
-    that cannot hold a deep program (0 slots) always gets wide ones. A deep program holds 64 tokens
-    in flight where a wide one holds 32, so a small step splits into half as many programs, whose
-    merges have half as many partials to read (one L2 round trip per 8), or none left. Past two
-    thirds, the wide tiles' extra programs per SM win. The two-thirds line is where the measured
-    advantage changes sides (results/logs/h200_decode_splits.txt, section 8; results/logs/kernel_notes.md,
-    "Deep or wide tiles").
+    Deep tiles while the pairs fill at most two thirds of a wave of them, shallow ones beyond; a GPU
+    that cannot hold a deep program (0 slots) always gets shallow ones. A deep program has twice the
+    bytes in flight, so a small step splits into fewer programs, whose merges have fewer partials to
+    read, or none left. Past two thirds, the shallow tiles' extra program per SM wins (4 against 3 on
+    the H200 in 16 bits at D = 128), and keeps up with more work per program than 32-token tiles
+    did (results/logs/h200_decode_tiles_8b48ee4.txt; results/logs/kernel_notes.md, "Deep or shallow tiles").
     """
     options = tile_options(dtype)
     if len(options) == 1:
         return options[0]
-    deep, wide = options
-    return deep if 3 * pairs <= 2 * deep_slots() else wide
+    deep, shallow = options
+    return deep if 3 * pairs <= 2 * deep_slots() else shallow
 
 
 @dataclass
