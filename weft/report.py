@@ -145,6 +145,25 @@ def _one(df: pd.DataFrame, column: str) -> str:
     return f" {values[0]:g}" if len(values) == 1 else ""
 
 
+def batch_sweep_notes(df: pd.DataFrame) -> list[str]:
+    """e2: the fastest weft configuration's output tok/s over each HF peer's, batch size by batch size (the
+    same run)."""
+    if "engine" not in df:
+        return []
+    weft = df[df["engine"] == "weft"]
+    if weft.empty:
+        return []
+    best = weft.groupby("config")["output_tok_s"].sum().idxmax()
+    ours = weft[weft["config"] == best].set_index("B")["output_tok_s"]
+    notes = []
+    for peer, runs in df[df["engine"] != "weft"].groupby("config"):
+        cells = [f"B={B:g} {ours[B]:,.0f} ÷ {r.output_tok_s:,.0f} = {ours[B] / r.output_tok_s:.1f}×"
+                 for B, r in runs.set_index("B").sort_index().iterrows() if B in ours.index and r.output_tok_s]
+        if cells:
+            notes.append(f"output tok/s, {best} ÷ {peer}: " + "; ".join(cells) + ".")
+    return notes
+
+
 def clock_notes(df: pd.DataFrame) -> list[str]:
     """e4: what each clock means, with the arrival rates its records state, and how far admissions stall the
     running decodes (ITL p99 over p50)."""
@@ -261,7 +280,8 @@ def profile_notes(df: pd.DataFrame) -> list[str]:
 
 
 NOTES: dict[str, Callable[[pd.DataFrame], list[str]]] = {
-    "e4": clock_notes, "e9": serving_notes, "e11": prefix_cache_notes, "e12": ablation_notes, "e13": profile_notes,
+    "e2": batch_sweep_notes, "e4": clock_notes, "e9": serving_notes, "e11": prefix_cache_notes,
+    "e12": ablation_notes, "e13": profile_notes,
 }
 
 

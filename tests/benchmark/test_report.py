@@ -430,6 +430,19 @@ def test_e11_sets_the_cache_off_beside_on(tmp_path):
             " 7,000 ÷ 3,500 = 2.00×.") in e11
 
 
+def test_e2_divides_the_fastest_weft_config_by_each_peer_per_batch(tmp_path):
+    rows = [serving("e2", config, engine=engine, B=B, output_tok_s=tok_s, name=f"test_e2_batch_sweep[B{B}-{config}]")
+            for config, engine, per_b in (("continuous×paged", "weft", (10.0, 40.0)),
+                                          ("continuous×triton", "weft", (150.0, 600.0)),
+                                          ("hf_generate", "hf_generate", (10.0, 50.0)),
+                                          ("hf_generate_static", "hf_generate_static", (60.0, 200.0)))
+            for B, tok_s in zip((1, 4), per_b, strict=True)]
+    e2 = reported_section(tmp_path, rows, "e2")
+    assert "output tok/s, continuous×triton ÷ hf_generate: B=1 150 ÷ 10 = 15.0×; B=4 600 ÷ 50 = 12.0×." in e2
+    assert "output tok/s, continuous×triton ÷ hf_generate_static: B=1 150 ÷ 60 = 2.5×; B=4 600 ÷ 200 = 3.0×." in e2
+    assert "continuous×paged ÷" not in e2
+
+
 def test_e12_divides_each_ablation_by_the_defaults(tmp_path):
     rows = [serving("e12", f"continuous×triton{off}", workload="w", output_tok_s=tok_s, itl_p50_s=itl, steps=9,
                     name=f"test_e12_ablation[w{off}]")
