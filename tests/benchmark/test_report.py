@@ -441,6 +441,10 @@ def test_e2_divides_the_fastest_weft_config_by_each_peer_per_batch(tmp_path):
     assert "output tok/s, continuous×triton ÷ hf_generate: B=1 150 ÷ 10 = 15.0×; B=4 600 ÷ 50 = 12.0×." in e2
     assert "output tok/s, continuous×triton ÷ hf_generate_static: B=1 150 ÷ 60 = 2.5×; B=4 600 ÷ 200 = 3.0×." in e2
     assert "continuous×paged ÷" not in e2
+    rows[2]["output_tok_s"] = 5.0  # triton's B=1: paged is the faster there now, so each cell names its config
+    e2 = reported_section(tmp_path, rows, "e2")
+    assert ("output tok/s, weft's fastest ÷ hf_generate: B=1 (continuous×paged) 10 ÷ 10 = 1.0×;"
+            " B=4 (continuous×triton) 600 ÷ 50 = 12.0×.") in e2
 
 
 def test_e12_divides_each_ablation_by_the_defaults(tmp_path):

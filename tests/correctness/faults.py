@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from weft.attention.base import CacheSlots
 from weft.attention.paged import PagedBackend
 
@@ -14,4 +16,7 @@ class OffByOneWrite(PagedBackend):
 
     def cache_slots(self, layer, step):
         cache = super().cache_slots(layer, step)
-        return CacheSlots(cache.slot_mapping + 1, cache.k_rows, cache.v_rows)
+        slots = cache.slot_mapping
+        # wrapped at the layer's end: a kernel's store past it would land in the next layer, or past the slab
+        shifted = torch.where(slots >= 0, (slots + 1) % cache.k_rows.shape[0], slots)
+        return CacheSlots(shifted, cache.k_rows, cache.v_rows)

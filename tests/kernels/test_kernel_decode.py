@@ -193,13 +193,13 @@ def test_decode_single_request_splits(device):
 @pytest.mark.parametrize(
     ("pairs", "tiles", "slots", "expected"),
     [
-        (64, 128, 660, 8),  # 5 programs per SM (32-token tiles before this commit): 6..10 splits fit, 8 deal 16 each
-        (64, 256, 660, 8),  # S=8192: 32 tiles each
+        (64, 128, 660, 8),  # 5 programs per SM (32-token tiles before 66c8f6d): 6..10 splits fit, 8 deal 16 each
+        (64, 256, 660, 8),  # 256 tiles (S=16384): 32 each
         (64, 67, 660, 10),  # no count deals 67 evenly: 7 and 10 splits waste as little; more splits win the tie
         (64, 67, 528, 7),  # with 4 programs per SM (bf16 shallow tiles) 10 no longer fit: 5 or 7
         (8, 128, 660, 64),  # B=1 at 660 slots: 42..82 splits fill half a wave to one; 64 deal 2 tiles each
         (512, 64, 660, 1),  # B=64: one split per program already fills the GPU about once
-        (512, 1280, 660, 1),  # a CUDA graph's plan for a 40960-token table: still never past one wave
+        (512, 1280, 660, 1),  # a CUDA graph's plan for a table of 81,920 tokens: still never past one wave
         (8, 3, 660, 3),  # never more splits than tiles
         (64, 64, 1, 1),  # the interpreter: one program at a time, splitting gains nothing
         (64, 64, 396, 4),  # B=8, S=4096 under deep tiles (3 programs per SM): 4..6 splits fit, 4 deal 16 each

@@ -121,7 +121,7 @@ def test_rotary(device, dtype, T, H_q, H_kv, D, with_norms):
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
-@pytest.mark.parametrize(("T", "H_q", "H_kv", "D"), [(1, 2, 1, 64), (7, 6, 2, 48), (5, 16, 8, 128)])
+@pytest.mark.parametrize(("T", "H_q", "H_kv", "D"), [(2, 2, 1, 64), (7, 6, 2, 48), (5, 16, 8, 128)])
 @pytest.mark.parametrize("with_norms", [False, True], ids=["rope", "norm-rope"])
 def test_rotary_store(device, dtype, T, H_q, H_kv, D, with_norms):
     """With the cache's slots, the kernel stores rotated k and v (strided views of qkv, as the model's) in
@@ -135,10 +135,14 @@ def test_rotary_store(device, dtype, T, H_q, H_kv, D, with_norms):
     weights = tuple((1 + torch.randn(D, generator=g)).to(dtype).to(device) for _ in "qk") if with_norms else None
     slots = torch.randperm(4 * T, generator=g)[:T]
     slots[1::2] = -1
-    k_rows = torch.full((4 * T, H_kv, D), float("nan"), dtype=dtype, device=device)
-    v_rows = torch.full_like(k_rows, float("nan"))
+    # rows of a larger slab, with a guard row on each side: a store to row -1 or past the end would land there
+    k_slab, v_slab = (torch.full((4 * T + 2, H_kv, D), float("nan"), dtype=dtype, device=device) for _ in "kv")
+    k_rows, v_rows = k_slab[1:-1], v_slab[1:-1]
 
     got_q = rotary_store(q, k, v, cos, sin, slots.to(device), k_rows, v_rows, weights, EPS)
+
+    for slab in (k_slab, v_slab):
+        assert slab[0].isnan().all() and slab[-1].isnan().all()
 
     want_q, want_k = rotary(q, k, cos, sin, weights, EPS)
     assert torch.equal(got_q, want_q) and got_q.is_contiguous()

@@ -57,7 +57,8 @@ class AttentionMetadata:
 @dataclass(frozen=True)
 class CacheSlots:
     """Where one layer's new K/V go, for a kernel that stores them itself (weft.layers.fused.rotary_store):
-    token t's H_kv * D values at row slot_mapping[t] (< 0: nowhere) of k_rows / v_rows."""
+    token t's H_kv * D values at row slot_mapping[t] of k_rows / v_rows (the kernels skip slots < 0, a CUDA
+    graph's padding rows; an indexed copy, off the kernels, is never given one)."""
 
     slot_mapping: torch.Tensor  # [T_total] int64
     k_rows: torch.Tensor  # [N * P, H_kv, D], contiguous views of the cache

@@ -1,9 +1,10 @@
 """Triton backend: the paged slab [2, L, N, P, H_kv, D], read in place by Triton kernels.
 
-Writes are RoPE's kernel's (`cache_slots`) or, after a piecewise graph, one kernel per layer (slots < 0
-skipped). Reads follow the block table inside the kernels, so nothing is gathered into a padded copy: a
-step's decodes (one new token each) run split-KV flash-decoding, its other requests a causal
-flash-attention kernel over the cache; a mixed step launches both, each on its own requests.
+Writes are RoPE's kernel's (`cache_slots`) or, in the eager attention between piecewise graphs, one
+kernel per layer (slots < 0 skipped). Reads follow the block table inside the kernels, so nothing is
+gathered into a padded copy: a step's decodes (one new token each) run split-KV flash-decoding, its
+other requests a causal flash-attention kernel over the cache; a mixed step launches both, each on its
+own requests.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class TritonBackend(AttentionBackend):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: TritonStep) -> None:
         self._check_tokens("k", k, self.cfg.H_kv, step.meta)
         self._check_tokens("v", v, self.cfg.H_kv, step.meta)
-        write_kv(k, v, step.meta.slot_mapping, self.kv_cache[0, layer], self.kv_cache[1, layer])
+        cache = self.cache_slots(layer, step)
+        write_kv(k, v, cache.slot_mapping, cache.k_rows, cache.v_rows)
 
     def attend(self, layer: int, q: torch.Tensor, step: TritonStep, out: torch.Tensor | None = None) -> torch.Tensor:
         self._check_tokens("q", q, self.cfg.H_q, step.meta)

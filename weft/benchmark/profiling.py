@@ -40,9 +40,9 @@ def top_ops(
 # A GPU kernel's class, by the first pattern its name contains (lower case); the rest is "other".
 KERNEL_CLASSES = (
     ("attention", ("_split_kernel", "_merge", "_prefill_kernel", "attention", "flash", "fmha")),
-    ("kv write", ("_write_kernel",)),
+    ("kv write", ("_write_kernel",)),  # from 66c8f6d on, only where the eager attention stores K/V (piecewise)
     ("norm", ("rms_norm",)),
-    ("rope", ("_rotary",)),  # with Qwen3's q/k RMSNorms from 4cdf5f1 on (one kernel)
+    ("rope", ("_rotary",)),  # with Qwen3's q/k RMSNorms from 4cdf5f1 on, and the K/V store from 66c8f6d on
     ("activation", ("_silu",)),
     ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "sm90", "splitk")),
     ("sampling", ("sort", "topk", "argmax", "softmax", "exponential", "max_")),

@@ -190,8 +190,10 @@ def rotary_store(
     returned: token t's at row slot_mapping[t] (int64 [T]; < 0: nowhere) of k_rows / v_rows [slots, H_kv, D]
     (contiguous) -> rotated q. The RoPE and the K/V write in one launch."""
     T, H_kv, D = k.shape
-    assert v.shape == k.shape and v.stride(2) == 1 and slot_mapping.shape == (T,) and slot_mapping.is_contiguous()
-    assert k_rows.is_contiguous() and v_rows.is_contiguous() and k_rows.shape[1:] == v_rows.shape[1:] == (H_kv, D)
+    assert v.shape == k.shape and v.stride(2) == 1 and k_rows.dtype == v_rows.dtype == k.dtype == v.dtype
+    assert slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    assert k_rows.is_contiguous() and v_rows.is_contiguous() and k_rows.shape == v_rows.shape
+    assert k_rows.shape[1:] == (H_kv, D)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _rotary_launch(q, k, v, cos, sin, norms, eps, slot_mapping, q_out, k_rows, v_rows)
     return q_out

@@ -15,6 +15,7 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(cfg.D, cfg.rms_eps)
 
     def head_norms(self) -> tuple[RMSNorm, RMSNorm]:
+        """q_norm and k_norm: Qwen3's RMSNorm over each head of q and of k."""
         return self.q_norm, self.k_norm
 
 

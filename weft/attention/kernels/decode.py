@@ -183,8 +183,9 @@ class Tiles:
 
 
 # 64-token tiles, loaded one ("shallow") or two ("deep": fewer programs per SM, each with more bytes in
-# flight) ahead of the one being computed. float32 walks shallow ones only (with 32-token tiles it spills
-# registers; results/logs/h200_decode_splits.txt, section 7b).
+# flight) ahead of the one being computed. float32 walks shallow ones only: they already take 78 KB of shared
+# memory at D = 128, two programs per SM on the H200 (results/logs/kernel_notes.md); deep ones were not
+# measured, and 32-token ones spill registers (results/logs/h200_decode_splits.txt, section 7b).
 SHALLOW_TILES = Tiles(64, 2)
 DEEP_TILES = Tiles(64, 3)
 

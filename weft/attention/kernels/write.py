@@ -35,7 +35,8 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 ) -> None:
     """Store k/v [T_total, H_kv, D] at slot_mapping [T_total] (int64, < 0: skip) of k_cache/v_cache
-    [N, P, H_kv, D] (contiguous). Each token's H_kv * D values must be contiguous in k and v."""
+    [N, P, H_kv, D] or their rows [N * P, H_kv, D] (contiguous). Each token's H_kv * D values must be
+    contiguous in k and v."""
     T, H_kv, D = k.shape
     for x in (k, v):
         assert x.stride(2) == 1 and x.stride(1) == D, "each token's K/V row must be contiguous"
