@@ -24,7 +24,9 @@ class PagedBackend(AttentionBackend):
         return plan_padded(meta)
 
     def cache_slots(self, layer: int, step: PaddedStep) -> CacheSlots:
-        return slot_rows(self.kv_cache, layer, step.meta.slot_mapping)
+        """Layer `layer`'s K and V as rows [N * P, H_kv, D], one per slot (views of the slab)."""
+        k_rows, v_rows = (self.kv_cache[i, layer].flatten(0, 1) for i in (0, 1))
+        return CacheSlots(step.meta.slot_mapping, k_rows, v_rows)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: PaddedStep) -> None:
         cache = self.cache_slots(layer, step)
@@ -39,7 +41,3 @@ class PagedBackend(AttentionBackend):
         v = self.kv_cache[1, layer][table].flatten(1, 2)[:, :S].transpose(1, 2)
         return attend_padded(q, k, v, step, self.scale, out)
 
-
-def slot_rows(kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor) -> CacheSlots:
-    """Slab [2, L, N, P, H_kv, D]: layer `layer`'s K and V as rows [N * P, H_kv, D], one per slot."""
-    return CacheSlots(slot_mapping, kv_cache[0, layer].flatten(0, 1), kv_cache[1, layer].flatten(0, 1))

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from weft.attention.base import AttentionBackend, AttentionMetadata, CacheSlots
+from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.attention.kernels import DecodeSplits, decode_attention, prefill_attention, write_kv
 from weft.attention.kernels.tiles import MAX_HEAD_DIM
-from weft.attention.paged import PagedBackend, slot_rows
+from weft.attention.paged import PagedBackend
 from weft.config import ModelConfig
 
 
@@ -33,6 +33,7 @@ class TritonBackend(AttentionBackend):
     cuda_graphs = True  # `plan` needs only host ints; the kernels read every length from device memory
     max_decodes = 65535  # the decode kernel's grid holds requests on its third axis
     slab_shape = staticmethod(PagedBackend.slab_shape)
+    cache_slots = PagedBackend.cache_slots  # the same slab, so the same rows per slot
 
     @classmethod
     def check_model(cls, cfg: ModelConfig) -> None:
@@ -50,9 +51,6 @@ class TritonBackend(AttentionBackend):
                 cache.device,
             )
         return TritonStep(meta, splits)
-
-    def cache_slots(self, layer: int, step: TritonStep) -> CacheSlots:
-        return slot_rows(self.kv_cache, layer, step.meta.slot_mapping)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: TritonStep) -> None:
         self._check_tokens("k", k, self.cfg.H_kv, step.meta)
