@@ -55,12 +55,13 @@ class Case:
     budget: int | None = None  # max_num_batched_tokens: prompts prefilled in chunks of at most this many
     second_turn: bool = False  # then the same prompts again (wholly cached) and each extended by its answer
     overlap: bool = True  # enable_overlap: each step queued before the one before it lands
+    fused_layers: bool = True  # enable_fused_layers: the layers' Triton kernels where they run (CUDA)
 
     @property
     def label(self) -> str:
         flags = (("midflight", self.midflight), ("small-pool", self.pool == "small"),
                  (f"chunks-of-{self.budget}", self.budget is not None), ("second-turn", self.second_turn),
-                 ("no-overlap", not self.overlap))
+                 ("no-overlap", not self.overlap), ("no-fused-layers", not self.fused_layers))
         return "/".join([self.attention, self.scheduler, *(name for name, on in flags if on)])
 
 
@@ -111,11 +112,13 @@ TOP = 5  # vLLM's check_logprobs_close: at a 16-bit run's first difference, each
 
 def standard_cases(device: torch.device | str) -> list[Case]:
     """Every backend x scheduler usable on `device`, each with prompts in chunks too, and without the
-    overlap; then mid-flight, small-pool (preemptions, also of half-prefilled requests) and one-token-chunk
-    runs on paged layouts."""
+    overlap (and on CUDA without the fused layer kernels); then mid-flight, small-pool (preemptions, also of
+    half-prefilled requests) and one-token-chunk runs on paged layouts."""
     backends = available_backends(device)
     cases = [Case(a, s, budget=b) for a in backends for s in SCHEDULERS for b in (None, CHUNK)]
     cases += [Case(a, "continuous", overlap=False) for a in backends]
+    if torch.device(device).type == "cuda":  # elsewhere the layers run PyTorch's ops anyway
+        cases += [Case(a, "continuous", fused_layers=False) for a in backends]
     for a in backends:
         if a != "contiguous":
             cases += [Case(a, "continuous", midflight=True), Case(a, "continuous", pool="small"),
@@ -216,6 +219,7 @@ def run_case(
         max_model_len=longest if contiguous else None,
         max_num_batched_tokens=case.budget,
         enable_overlap=case.overlap,
+        enable_fused_layers=case.fused_layers,
         dtype=dtype,
         device=device,
     ) as llm:

@@ -56,3 +56,6 @@ def test_run_config_labels():
     assert RunConfig(scheduler="static", attention="contiguous").label == "static×contiguous"
     assert RunConfig(attention="triton").id == "continuous-triton"
     assert RunConfig(engine="hf_generate_batch").label == "hf_generate_batch"
+    off = RunConfig(attention="triton", overlap=False, fused_layers=False)
+    assert off.label == "continuous×triton, no overlap, no fused layers"
+    assert off.id == "continuous-triton-nooverlap-nofused"

@@ -62,6 +62,15 @@ def test_real_weights_match_hf(case, reference, device):
     check(DEFAULT_MODEL, case, reference, device)
 
 
+def test_without_fused_layers_no_kernel_runs(reference, device, monkeypatch):
+    """enable_fused_layers=False: PyTorch's ops even where the kernels would run (here made to run, and to
+    fail if called), with the backend's own K/V write: the same tokens as HF."""
+    monkeypatch.setattr(fused, "on_kernels", lambda x: True)
+    for name in ("add_rms_norm", "silu_and_mul", "rotary", "rotary_store"):
+        monkeypatch.setattr(fused, name, lambda *args, name=name, **kwargs: pytest.fail(f"fused.{name} ran"))
+    check("tiny-qwen3", Case("paged", "continuous", budget=CHUNK, fused_layers=False), reference, device)
+
+
 def test_the_layer_kernels_match_hf(reference, device, monkeypatch):
     """The layers through weft/layers/fused.py's kernels (on the CPU: in Triton's interpreter), prompts
     prefilled in chunks and then decoded: the same tokens as HF (tiny-qwen3: its q/k norms too)."""

@@ -1,6 +1,6 @@
 """e12: the ablation. continuous x the configured backend with the engine's defaults (chunked prefill
 at its 8,192-token budget, CUDA graphs for decode steps and piecewise ones for the others, prefix caching,
-overlap), then each turned off in turn:
+overlap, the fused layer kernels), then each turned off in turn:
 its share of e8's throughput and of a lone request's ITL (the report divides each by the defaults').
 The lone request is also served by HF's fast path (the static cache, compiled on a GPU): the batch-1
 ITL peer, in the same run."""
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.perf
 
 OFF = {"defaults": {}, "nochunks": dict(chunked_prefill=False), "eager": dict(cudagraph_mode="NONE"),
        "nopiecewise": dict(cudagraph_mode="FULL_DECODE_ONLY"), "nocache": dict(prefix_caching=False),
-       "nooverlap": dict(overlap=False)}
+       "nooverlap": dict(overlap=False), "nofused": dict(fused_layers=False)}
 
 
 @pytest.mark.parametrize("off", OFF)

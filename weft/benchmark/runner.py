@@ -47,6 +47,7 @@ class RunConfig:
     chunked_prefill: bool = True  # weft's enable_chunked_prefill
     cudagraph_mode: str = "FULL_AND_PIECEWISE"  # weft's (CUDAGRAPH_MODES)
     overlap: bool = True  # weft's enable_overlap
+    fused_layers: bool = True  # weft's enable_fused_layers
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -64,7 +65,8 @@ class RunConfig:
             return self.engine
         graphs = GRAPHS_OFF.get(self.cudagraph_mode)
         off = [name for name, on in (("chunked prefill", self.chunked_prefill), (graphs, graphs is None),
-                                     ("prefix cache", self.prefix_caching is not False), ("overlap", self.overlap))
+                                     ("prefix cache", self.prefix_caching is not False), ("overlap", self.overlap),
+                                     ("fused layers", self.fused_layers))
                if not on]
         return f"{self.scheduler}×{self.attention}" + "".join(f", no {name}" for name in off)
 
@@ -74,7 +76,7 @@ class RunConfig:
         return (self.label.replace("×", "-").replace(", no prefix cache", "-nocache")
                 .replace(", no chunked prefill", "-nochunks").replace(", no CUDA graphs", "-eager")
                 .replace(", no piecewise graphs", "-nopiecewise").replace(", no decode graphs", "-nodecodegraphs")
-                .replace(", no overlap", "-nooverlap"))
+                .replace(", no overlap", "-nooverlap").replace(", no fused layers", "-nofused"))
 
 
 class Server(Protocol):
@@ -124,6 +126,7 @@ class WeftServer:
             enable_chunked_prefill=config.chunked_prefill,
             cudagraph_mode=config.cudagraph_mode,
             enable_overlap=config.overlap,
+            enable_fused_layers=config.fused_layers,
             dtype=dtype,
             device=device,
         )
@@ -161,6 +164,7 @@ class WeftServer:
             "prefix_caching": c.enable_prefix_caching,
             "chunked_prefill": c.enable_chunked_prefill,
             "overlap": c.enable_overlap,
+            "fused_layers": c.enable_fused_layers,
         }
 
     def close(self) -> None:

@@ -46,6 +46,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs (cudagraph_mode "NONE", as in vLLM)
     cudagraph_mode: str = "FULL_AND_PIECEWISE"  # CUDA: which steps replay graphs (CUDAGRAPH_MODES, cuda_graphs.py)
     enable_overlap: bool | None = None  # plan and queue step k+1 while step k runs, then land k; None: on CUDA
+    enable_fused_layers: bool = True  # CUDA: norms, RoPE (+ K/V store), SiLU x up as Triton kernels; else PyTorch's
     tensor_parallel_size: int = 1  # ranks that each hold a slice of the model (processes; GPUs on CUDA)
 
     def __post_init__(self) -> None:
@@ -66,7 +67,8 @@ class EngineConfig:
         if not 0 < fraction <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
         set_(self, "gpu_memory_utilization", fraction)
-        for name in ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching", "enable_overlap"):
+        for name in ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching", "enable_overlap",
+                     "enable_fused_layers"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (value is None and name in ("enable_prefix_caching",
                                                                                 "enable_overlap")):

@@ -33,6 +33,7 @@ def load_slice(config: EngineConfig, source: ModelSource, tp: TensorParallel, de
     """This rank's slice of the model, its weights read tensor by tensor (no rank holds the whole model)."""
     model = build_model(source.config, config.torch_dtype, device, tp)
     source.load_into(model)
+    model.use_kernels(config.enable_fused_layers)
     return model
 
 

@@ -17,11 +17,12 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(E, 2 * intermediate, bias=bias)
         self.down_proj = RowParallelLinear(intermediate, E, bias, tp)
+        self.kernels = True  # fused.py's SiLU x up where it runs (False: PyTorch's ops everywhere)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T_total, E] -> [T_total, E]"""
         gate_up = self.gate_up_proj(x)
-        if fused.on_kernels(gate_up):
+        if self.kernels and fused.on_kernels(gate_up):
             return self.down_proj(fused.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -14,10 +14,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = True  # fused.py's kernel where it runs (False: PyTorch's ops everywhere)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> [..., dim]"""
-        if fused.on_kernels(x):
+        if self.kernels and fused.on_kernels(x):
             return fused.add_rms_norm(x, self.weight, self.eps)[0]
         dtype = x.dtype
         x = x.float()
@@ -27,7 +28,7 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual [T, dim] -> (RMSNorm(x + residual), x + residual): the residual stream's next sum
         and its normalized value."""
-        if fused.on_kernels(x):
+        if self.kernels and fused.on_kernels(x):
             return fused.add_rms_norm(x, self.weight, self.eps, residual)
         s = x + residual
         return self(s), s

@@ -27,11 +27,12 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    norms: tuple[RMSNorm, RMSNorm] | None = None,
+    norms: tuple[RMSNorm, RMSNorm] | None = None, kernels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T_total, H_q, D], k [T_total, H_kv, D], cos/sin [T_total, 1, D] -> rotated q, k; `norms`: RMSNorms
-    over each head of q and of k, applied first (Qwen3). On CUDA one Triton kernel does it all, fused.rotary."""
-    if fused.on_kernels(q):
+    over each head of q and of k, applied first (Qwen3). With `kernels` one Triton kernel does it all
+    (fused.rotary), else PyTorch's ops as HF's."""
+    if kernels:
         return fused.rotary(q, k, cos, sin, *_weights(norms))
     if norms is not None:
         q, k = norms[0](q), norms[1](k)

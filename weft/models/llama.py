@@ -32,6 +32,7 @@ class LlamaAttention(nn.Module):
         self.cfg, self.layer = cfg, layer
         self.qkv_proj = nn.Linear(cfg.E, (cfg.H_q + 2 * cfg.H_kv) * cfg.D, bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.H_q * cfg.D, cfg.E, cfg.attention_bias, tp)
+        self.kernels = True  # RoPE (with the K/V store) in fused.py's kernel where it runs
 
     def head_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
         """RMSNorms over each head of q and of k before RoPE (Qwen3's); Llama has none."""
@@ -43,9 +44,10 @@ class LlamaAttention(nn.Module):
         heads = (cfg.H_q, cfg.H_kv, cfg.H_kv)
         qkv = self.qkv_proj(x).split([h * cfg.D for h in heads], dim=-1)
         q, k, v = (t.view(-1, h, cfg.D) for t, h in zip(qkv, heads, strict=True))
-        cache = attn.cache_slots(self.layer, step) if fused.on_kernels(q) else None
+        kernels = self.kernels and fused.on_kernels(q)
+        cache = attn.cache_slots(self.layer, step) if kernels else None
         if cache is None:
-            q, k = apply_rotary(q, k, *rope, self.head_norms())
+            q, k = apply_rotary(q, k, *rope, self.head_norms(), kernels)
             o = attn.forward(self.layer, q, k, v, step)  # [T_total, H_q, D]
         else:  # RoPE's kernel stores k and v in the cache
             o = attn.attend(self.layer, rotate_into_cache(q, k, v, *rope, cache, self.head_norms()), step)
@@ -110,6 +112,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T_total] -> hidden [T_total, E] (logits only where needed: `logits`)."""
         return self.model(input_ids, positions, attn, step)
+
+    def use_kernels(self, on: bool) -> None:
+        """Whether the layers run weft/layers/fused.py's Triton kernels where they can (CUDA), or PyTorch's ops
+        as HF's everywhere (EngineConfig.enable_fused_layers)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | SwiGLU | LlamaAttention):
+                module.kernels = on
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, E] -> logits [B, V] in the activations' dtype (every rank's vocabulary rows), as HF's
