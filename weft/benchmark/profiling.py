@@ -40,9 +40,9 @@ def top_ops(
 # A GPU kernel's class, by the first pattern its name contains (lower case); the rest is "other".
 KERNEL_CLASSES = (
     ("attention", ("_split_kernel", "_merge", "_prefill_kernel", "attention", "flash", "fmha")),
-    ("kv write", ("_write_kernel",)),  # from 66c8f6d on, only where the eager attention stores K/V (piecewise)
+    ("kv write", ("_write_kernel",)),  # only where the eager attention stores K/V (between piecewise graphs)
     ("norm", ("rms_norm",)),
-    ("rope", ("_rotary",)),  # with Qwen3's q/k RMSNorms from 4cdf5f1 on, and the K/V store from 66c8f6d on
+    ("rope", ("_rotary",)),  # with Qwen3's q/k RMSNorms, and the K/V store where the backend gives cache_slots
     ("activation", ("_silu",)),
     ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "sm90", "splitk")),
     ("sampling", ("sort", "topk", "argmax", "softmax", "exponential", "max_")),
