@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import sys
 import time
+from collections.abc import Mapping
 
 
 def positive_int(text: str) -> int:
@@ -85,20 +86,53 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One --option per EngineConfig field (but the model), typed as the field is; None: its default."""
+def engine_fields() -> list[dataclasses.Field]:
+    """EngineConfig's fields but the model: `weft serve`'s engine options, one --field-name each."""
     from weft.inference.config import EngineConfig
 
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "model":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if "bool" in f.type:
+    return [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_bool(f: dataclasses.Field) -> bool:
+    return "bool" in f.type  # a str: config.py's annotations are postponed
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One --option per EngineConfig field (but the model), typed as the field is; None: its default."""
+    for f in engine_fields():
+        flag = _flag(f.name)
+        if _is_bool(f):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help=f"(default: {f.default})")
             continue
         kind = float if "float" in f.type else int if "int" in f.type else str
         parser.add_argument(flag, type=kind, help=f"(default: {f.default})")
+
+
+def engine_flags(options: Mapping[str, object]) -> list[str]:
+    """The `weft serve` flags that set EngineConfig `options` (by field name): ["--block-size", "16",
+    "--no-enable-overlap", ...]. None is left out (the default); a torch.dtype or torch.device goes as its name."""
+    import torch
+
+    fields = {f.name: f for f in engine_fields()}
+    unknown = [name for name in options if name not in fields]
+    if unknown:
+        raise ValueError(f"not `weft serve` engine options: {', '.join(map(str, unknown))}")
+    flags = []
+    for name, value in options.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) != _is_bool(fields[name]):
+            raise TypeError(f"{name} is {fields[name].type}, got {value!r}")
+        if isinstance(value, bool):
+            flags.append(_flag(name if value else "no_" + name))
+        else:
+            flags += [_flag(name), str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else str(value)]
+    return flags
 
 
 def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -109,7 +143,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from weft.serve.api_server import build_app
     from weft.serve.async_engine import AsyncEngine
 
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    options = {f.name: getattr(args, f.name) for f in engine_fields()}
     try:
         config = EngineConfig(model=args.model, **{k: v for k, v in options.items() if v is not None})
         engine = AsyncEngine(config, args.max_queued_requests)  # the engine is built in its own process

@@ -5,32 +5,37 @@ from __future__ import annotations
 import numbers
 import operator
 
+from weft.errors import ParamTypeError, ParamValueError
+
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for non-negative a and positive b: blocks of b that hold a tokens."""
     return -(-a // b)
 
 
-def as_int(name: str, value: object) -> int:
-    """`value` as a Python int (ints, numpy and 0-dim torch integers); TypeError naming `name` otherwise.
+def as_int(name: str, value: object, param: str | None = None) -> int:
+    """`value` as a Python int (ints, numpy and 0-dim torch integers); a TypeError naming `name` otherwise,
+    whose `param` is the field it concerns (`name` by default).
 
     bool is refused: True is an int to Python, never a count or a token id to weft.
     """
     if _is_bool(value):
-        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
+        raise ParamTypeError(f"{name} must be an integer, got the bool {value!r}", param or name)
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+        message = f"{name} must be an integer, got {type(value).__name__} {value!r}"
+        raise ParamTypeError(message, param or name) from None
 
 
 def as_real(name: str, value: object) -> float:
-    """`value` as a finite float; TypeError for non-numbers (None, str, bool), ValueError for NaN or inf."""
+    """`value` as a finite float; TypeError for non-numbers (None, str, bool), ValueError for NaN or inf (each
+    with `name` as its param)."""
     if _is_bool(value) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        raise ParamTypeError(f"{name} must be a number, got {type(value).__name__} {value!r}", name)
     x = float(value)
     if x != x or x in (float("inf"), float("-inf")):
-        raise ValueError(f"{name} must be finite, got {x}")
+        raise ParamValueError(f"{name} must be finite, got {x}", name)
     return x
 
 

@@ -1,9 +1,8 @@
-"""Metrics from hand-made request timings, and the run configurations' checks."""
+"""Metrics from hand-made request timings."""
 
 import pytest
 
 from weft.benchmark.metrics import measure, percentiles, summarize
-from weft.benchmark.runner import RunConfig
 from weft.inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -36,26 +35,3 @@ def test_measure_times_the_body_on_the_cpu():
     with measure("cpu") as window:
         sum(range(10000))
     assert window.makespan_s > 0 and window.start > 0 and window.peak_mem_bytes is None
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        (dict(engine="vllm"), "unknown engine"),
-        (dict(scheduler="fifo"), "unknown scheduler"),
-        (dict(attention="flash"), "unknown attention"),
-        (dict(pool_fraction=0.0), "pool_fraction"),
-    ],
-)
-def test_run_config_refuses_unknown_names(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        RunConfig(**kwargs)
-
-
-def test_run_config_labels():
-    assert RunConfig(scheduler="static", attention="contiguous").label == "static×contiguous"
-    assert RunConfig(attention="triton").id == "continuous-triton"
-    assert RunConfig(engine="hf_generate_batch").label == "hf_generate_batch"
-    off = RunConfig(attention="triton", overlap=False, fused_layers=False)
-    assert off.label == "continuous×triton, no overlap, no fused layers"
-    assert off.id == "continuous-triton-nooverlap-nofused"

@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation import ContinuousBatchingConfig
 
 from weft.benchmark import workloads
-from weft.benchmark.runner import RunConfig, make_server
+from weft.benchmark.runner import BenchConfig, make_driver
 
 
 @pytest.fixture(scope="module")
@@ -22,18 +22,18 @@ def tiny():
     return model
 
 
-@pytest.mark.parametrize("config", [RunConfig(engine="hf_generate"), RunConfig(engine="hf_generate_batch")],
+@pytest.mark.parametrize("config", [BenchConfig(engine="hf_generate"), BenchConfig(engine="hf_generate_batch")],
                          ids=lambda c: c.id)
 def test_hf_baselines_match_weft_token_for_token(tiny, config):
     w = workloads.uniform(3, (3, 12), (2, 6), vocab_size=256, seed=1, name="tiny")
     cpu = torch.device("cpu")
-    servers = [make_server(c, tiny, w, "float32", cpu, ContinuousBatchingConfig(num_blocks=4, max_batch_tokens=64))
-               for c in (RunConfig(), config)]
+    drivers = [make_driver(c, tiny, w, "float32", cpu, ContinuousBatchingConfig(num_blocks=4, max_batch_tokens=64))
+               for c in (BenchConfig(), config)]
     try:
-        weft_run, hf_run = (s.serve(w) for s in servers)
+        weft_run, hf_run = (d.serve(w) for d in drivers)
     finally:
-        for s in servers:
-            s.close()
+        for d in drivers:
+            d.close()
     tokens = [[o.outputs[0].token_ids for o in run.outputs] for run in (hf_run, weft_run)]
     assert tokens[0] == tokens[1]
     for o, r in zip(hf_run.outputs, w.requests, strict=True):

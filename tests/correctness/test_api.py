@@ -86,6 +86,8 @@ def test_preemption_is_counted_and_recomputes(device):
     stats = llm.llm_engine.stats
     assert stats.num_preemptions > 0 and stats.recomputed_tokens > 0
     assert sum(o.metrics.num_preemptions for o in outs) == stats.num_preemptions
+    # prompts and generated tokens are counted once each, however often a preempted request was computed
+    assert (stats.prompt_tokens, stats.generation_tokens) == (12, 36)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1  # same prompt, same greedy tokens, preempted or not
 
 

@@ -157,8 +157,9 @@ def test_bad_sampling_params_argument(llm, good_tokens, sampling_params, error, 
     ],
 )
 def test_bad_sampling_params(kwargs, error, message):
-    with pytest.raises(error, match=re.escape(message)):
+    with pytest.raises(error, match=re.escape(message)) as refused:
         SamplingParams(**kwargs)
+    assert refused.value.param == next(iter(kwargs))  # the field at fault, as the server's 400 names it
 
 
 def test_sampling_params_normalize_numpy_and_torch_numbers():
@@ -180,6 +181,30 @@ def test_engine_level_request_errors(llm, good_tokens):
         engine.add_request("dup", GOOD, GREEDY)
     engine.abort_request("dup")
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("ids", "prompts", "message", "param"),
+    [
+        (["a", "b", "c"], [GOOD, [1, 512], GOOD], "second has token ids outside the vocabulary", "prompt"),
+        (["a", "b", "a"], [GOOD, GOOD, GOOD], "third: request id 'a' is already in flight", None),
+        (["a", "b", "c"], [GOOD, GOOD, [1] * 64], "third has 64 tokens; the model's context (max_model_len) is 64",
+         "prompt"),
+    ],
+)
+def test_add_requests_queues_all_or_none(llm, good_tokens, ids, prompts, message, param):
+    """The batch form checks every request first: one bad request (a prompt, or an id twice in the batch) and
+    none is queued."""
+    engine = llm.llm_engine
+    labels = ["first", "second", "third"]
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        engine.add_requests(ids, prompts, [GREEDY] * 3, labels=labels)
+    assert refused.value.param == param and not engine.has_unfinished_requests()
+    engine.add_requests(["a", "b"], [GOOD, GOOD], [GREEDY, None], labels=labels[:2])
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    assert outs["a"].outputs[0].token_ids == good_tokens and len(outs["b"].outputs[0].token_ids) == 16
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,7 @@ def test_the_engine_reports_its_hit_rate_and_aborts_release_only_their_reference
         assert engine.requests["other"].block_table[:2] == shared
         assert engine.stats.prefix_cache_hits == 16 and engine.stats.prefix_cache_hit_rate == 16 / 28
         engine.abort_request("sharer")
-        assert [engine.scheduler.blocks.refs[b] for b in shared] == [1, 1]  # "other" still reads them
+        assert [engine.blocks.refs[b] for b in shared] == [1, 1]  # "other" still reads them
         while engine.has_unfinished_requests():
             finished = [o for o in engine.step() if o.finished]
         assert finished[0].outputs[0].token_ids == first

@@ -9,7 +9,14 @@ import torch
 from weft import LLM, SamplingParams
 from weft.attention.paged import PagedBackend
 from weft.benchmark.replay import Arrival, replay_ticks
-from weft.inference.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_token_counts
+from weft.inference.cuda_graphs import (
+    AttentionBuffers,
+    AttentionCut,
+    DecodeGraphs,
+    graph_batch_sizes,
+    graph_token_counts,
+)
+from weft.layers.rotary import RotaryEmbedding, apply_rotary, rotate_into_cache
 
 pytestmark = pytest.mark.correctness
 
@@ -70,3 +77,26 @@ def test_graphs_match_eager(reference, scheduler, attention, mode):
             if runner.pieces is not None:
                 assert runner.pieces.sizes == [8, 16] and runner.pieces.replays > 0
     assert outputs[True] == outputs[False]
+
+
+def test_the_cut_leaves_attentions_inputs_in_its_buffers_by_either_path():
+    """The piecewise graphs' cut, in its warm-up form (no graphs): storing k and v at its cache_slots from RoPE's
+    kernel and attending leaves the very bits that rotating q and k and calling its forward does."""
+    T, H_q, H_kv, D = 5, 4, 2, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, h, D, generator=g) for h in (H_q, H_kv, H_kv))
+    cos, sin = RotaryEmbedding(D, 1e4, 64)(torch.randint(0, 64, (T,), generator=g), torch.float32)
+    left = []
+    for path in ("cache_slots", "forward"):
+        buffers = AttentionBuffers.allocate(8, H_q, H_kv, D, torch.float32, torch.device("cpu"))
+        cut = AttentionCut(buffers.first(T), None)
+        if path == "cache_slots":
+            slots = cut.cache_slots(0, None)
+            out = cut.attend(0, rotate_into_cache(q, k, v, cos, sin, slots.slot_mapping, slots.k_rows, slots.v_rows),
+                             None)
+        else:
+            out = cut.forward(0, *apply_rotary(q, k, cos, sin, kernels=True), v, None)
+        assert out.data_ptr() == buffers.out.data_ptr()  # the eager attention between the replays fills it
+        left.append([buffers.q[:T].clone(), buffers.k[:T].clone(), buffers.v[:T].clone()])
+    assert all(torch.equal(a, b) for a, b in zip(*left, strict=True))
+    assert torch.equal(left[0][2], v)

@@ -44,7 +44,7 @@ def test_two_generate_calls_share_one_engine_and_match_hf(tiny):
 def test_interleaved_add_step_abort_match_hf_and_free_blocks(tiny):
     llm, ref = tiny
     engine = llm.llm_engine
-    blocks = engine.scheduler.blocks
+    blocks = engine.blocks
     total = blocks.num_free
     n = ref.max_tokens
     final = RequestOutputKind.FINAL_ONLY
@@ -151,7 +151,7 @@ def test_an_exception_mid_generate_leaves_nothing_behind(tiny, monkeypatch):
     with pytest.raises(RuntimeError, match="device fell over"):
         llm.generate(ref.prompts[:2], greedy(ref.max_tokens, ignore_eos=True))
     monkeypatch.undo()
-    assert not engine.requests and engine.scheduler.blocks.num_free == engine.pool.num_blocks
+    assert not engine.requests and engine.blocks.num_free == engine.pool.num_blocks
     out = llm.generate(ref.prompts[:1], greedy(ref.max_tokens, ignore_eos=True))
     assert out[0].outputs[0].token_ids == ref.expected[0]
 

@@ -35,7 +35,7 @@ def test_outputs_land_one_step_late_with_the_same_tokens(reference, device):
             while engine.has_unfinished_requests():
                 steps[overlap].append([(o.request_id, o.outputs[0].token_ids) for o in engine.step()])
             assert not engine.in_flight
-            assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+            assert engine.blocks.num_free == engine.blocks.num_blocks
     assert steps[True][0] == []  # the first step is still on the device when the call returns
     assert steps[True][1:] == steps[False]
     tokens = {i: [] for i in range(3)}
@@ -56,7 +56,7 @@ def test_a_stop_while_a_step_is_in_flight_drops_that_steps_token(reference, devi
             outs = llm.generate(ref.prompts[:2], params, use_tqdm=False)
             runs[overlap] = ([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
                               for o in outs], llm.llm_engine.stats.decode_tokens)
-            assert llm.llm_engine.scheduler.blocks.num_free == 64
+            assert llm.llm_engine.blocks.num_free == 64
     want = [(answer[: at + 1], "stop", answer[at]), (ref.expected[1], "length", None)]
     assert runs[True][0] == runs[False][0] == want
     assert runs[True][1] == runs[False][1] + 1  # the stopped request's step in flight, its token dropped
@@ -98,7 +98,7 @@ def test_an_interrupted_wait_is_taken_up_again(reference, device, monkeypatch):
         engine.step(), engine.step()
         land = Launched.land
 
-        def interrupted(self):
+        def interrupted(self, decode):
             monkeypatch.setattr(Launched, "land", land)
             raise KeyboardInterrupt
 

@@ -22,7 +22,7 @@ def test_two_ranks_match_hf(reference, name, scheduler):
     with LLM(name, tensor_parallel_size=2, scheduler=scheduler, attention="paged", num_blocks=64, block_size=4,
              device="cpu") as llm:
         outs = llm.generate(ref.prompts, params, use_tqdm=False)
-        workers = llm.llm_engine.workers
+        workers = llm.llm_engine.ranks.processes
         assert [w.is_alive() for w in workers] == [True]
     assert [o.outputs[0].token_ids for o in outs] == ref.expected
     assert not any(w.is_alive() for w in workers)  # close() let the other rank go

@@ -30,7 +30,7 @@ from weft.attention import available_backends
 from weft.benchmark.floor import floor_s, traffic_bytes
 from weft.benchmark.metrics import Served
 from weft.benchmark.profiling import top_ops
-from weft.benchmark.runner import RunConfig, Server, make_server, record, release, unrelated_bytes
+from weft.benchmark.runner import BenchConfig, Driver, make_driver, record, release, unrelated_bytes
 from weft.benchmark.workloads import Workload
 from weft.inference.config import DTYPES
 from weft.models.loader import reference_model, resolve_model
@@ -121,8 +121,9 @@ CUDA_SIZES = Sizes(
     e8_requests=256,
     e8_lengths=(100, 1024),
     e9_attentions=("triton",),
-    # 24 requests of up to 512 tokens: the peer (HF's server) streams ~0.2k output tok/s on the H200, so
-    # that each rate takes under a minute (64 of up to 1,024 took over two at 2 req/s)
+    # 24 requests of up to 512 tokens, so that the peer (HF's server) gets through every rate: on 64 of up to
+    # 1,024 it did not within a call's time limit (results/HISTORY.md, d92039a; no log kept), on these it takes
+    # about a minute a rate (results/logs/h200_e9_c72ef45.log)
     e9_requests=24,
     e9_lengths=(100, 512),
     e9_rates=(1.0, 2.0, 4.0, 8.0, 16.0, float("inf")),
@@ -325,13 +326,13 @@ def keep_so_far(request: pytest.FixtureRequest) -> Callable[[], None]:
 def run_benchmark(benchmark, request: pytest.FixtureRequest, device: torch.device, model_for) -> Callable[..., Served]:
     """run(experiment, config, workload, *, model, dtype, logit_gain, profile, **extra) -> the timed run.
 
-    Builds the server, serves a short warm-up of the same prompts (HF's static cache: a whole one), then
+    Builds the driver, serves a short warm-up of the same prompts (HF's static cache: a whole one), then
     times one full run (one round: a serving run is long) and records it in `benchmark.extra_info`.
     """
 
     def run(
         experiment: str,
-        config: RunConfig,
+        config: BenchConfig,
         workload: Workload,
         *,
         model: str,
@@ -340,33 +341,34 @@ def run_benchmark(benchmark, request: pytest.FixtureRequest, device: torch.devic
         profile: bool = False,
         **extra: object,
     ) -> Served:
-        if config.engine == "weft" and config.attention not in available_backends(device):
-            pytest.skip(f"{config.attention} attention does not serve on {device.type}")
+        attention = config.setting("attention")
+        if config.engine == "weft" and attention not in available_backends(device):
+            pytest.skip(f"{attention} attention does not serve on {device.type}")
         cb_config = ContinuousBatchingConfig(**SIZES.hf_cb_config) if SIZES.hf_cb_config else None
         hf = model_for(model, dtype, logit_gain)
         traffic = traffic_bytes(workload, hf)
-        floor = floor_s(traffic, device)  # before the server takes memory: the copy bandwidth is measured once, now
+        floor = floor_s(traffic, device)  # before the driver takes memory: the copy bandwidth is measured once, now
         other_bytes = unrelated_bytes(config, hf, device)
-        server = make_server(config, hf, workload, dtype, device, cb_config)
+        driver = make_driver(config, hf, workload, dtype, device, cb_config)
 
-        def timed(server: Server) -> tuple[Served, list[dict] | None]:
+        def timed(driver: Driver) -> tuple[Served, list[dict] | None]:
             if profile:
-                return top_ops(lambda: server.serve(workload), device, ticks=lambda s: s.steps or 1)
-            return server.serve(workload), None
+                return top_ops(lambda: driver.serve(workload), device, ticks=lambda s: s.steps or 1)
+            return driver.serve(workload), None
 
         try:
             # HF's static cache is sized to a batch's prompts and max_new_tokens, and generate compiles its forward
             # for that size: a shorter warm-up would leave the compilation to the timed run
             full = config.engine == "hf_generate_static"
-            server.serve(workload.warmup(max(r.max_tokens for r in workload.requests) if full else WARMUP_TOKENS))
-            served, ops = benchmark.pedantic(timed, args=(server,), rounds=1, iterations=1, warmup_rounds=0)
+            driver.serve(workload.warmup(max(r.max_tokens for r in workload.requests) if full else WARMUP_TOKENS))
+            served, ops = benchmark.pedantic(timed, args=(driver,), rounds=1, iterations=1, warmup_rounds=0)
             if ops is not None:
                 extra = {**extra, "profiled": True, "top_ops": ops}
-            info = record(experiment, config, server, served, workload, model, dtype, device, other_bytes,
+            info = record(experiment, config, driver, served, workload, model, dtype, device, other_bytes,
                           traffic_bytes=traffic, floor_s=floor)
         finally:
-            server.close()
-            del server
+            driver.close()
+            del driver
             release(device)
         benchmark.extra_info.update(info | extra)
         _progress(
@@ -375,6 +377,10 @@ def run_benchmark(benchmark, request: pytest.FixtureRequest, device: torch.devic
             f"{info['output_tok_s']:.0f} out tok/s, TTFT p50 {info['ttft_p50_s'] or float('nan'):.3f} s",
         )
         save_so_far(request.config)  # a serving run is long: keep it even if the session is cut short
+        assert info["incomplete_requests"] == 0, (
+            f"{experiment} {config.label}: {info['incomplete_requests']} of {info['requests']} requests got fewer "
+            "tokens than asked for"
+        )
         return served
 
     return run

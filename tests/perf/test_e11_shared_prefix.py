@@ -4,7 +4,7 @@ system prompt each, short questions), with the prefix cache on and off: TTFT, th
 import pytest
 
 from weft.benchmark import workloads
-from weft.benchmark.runner import RunConfig
+from weft.benchmark.runner import BenchConfig
 
 pytestmark = pytest.mark.perf
 
@@ -14,7 +14,8 @@ def test_e11_shared_prefix(run_benchmark, sizes, model_for, caching):
     vocab = model_for(sizes.model, sizes.dtype).config.vocab_size
     workload = workloads.shared_prefix(sizes.e11_groups, sizes.e11_per_group, sizes.e11_system_len,
                                        sizes.e11_question_len, sizes.e11_new_tokens, vocab)
-    config = RunConfig(attention=sizes.attention, prefix_caching=caching, max_num_batched_tokens=sizes.e11_budget)
+    config = BenchConfig(options=dict(attention=sizes.attention, enable_prefix_caching=caching,
+                                      max_num_batched_tokens=sizes.e11_budget))
     served = run_benchmark("e11", config, workload, model=sizes.model, shared_fraction=sizes.e11_system_len
                            / (sizes.e11_system_len + sizes.e11_question_len))
     rate = served.prefix_cache_hit_rate

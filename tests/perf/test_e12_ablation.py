@@ -8,14 +8,14 @@ ITL peer, in the same run."""
 import pytest
 
 from weft.benchmark import workloads
-from weft.benchmark.runner import RunConfig
+from weft.benchmark.runner import BenchConfig
 from weft.inference.config import CHUNKED_BUDGET
 
 pytestmark = pytest.mark.perf
 
-OFF = {"defaults": {}, "nochunks": dict(chunked_prefill=False), "eager": dict(cudagraph_mode="NONE"),
-       "nopiecewise": dict(cudagraph_mode="FULL_DECODE_ONLY"), "nocache": dict(prefix_caching=False),
-       "nooverlap": dict(overlap=False), "nofused": dict(fused_layers=False)}
+OFF = {"defaults": {}, "nochunks": dict(enable_chunked_prefill=False), "eager": dict(cudagraph_mode="NONE"),
+       "nopiecewise": dict(cudagraph_mode="FULL_DECODE_ONLY"), "nocache": dict(enable_prefix_caching=False),
+       "nooverlap": dict(enable_overlap=False), "nofused": dict(enable_fused_layers=False)}
 
 
 @pytest.mark.parametrize("off", OFF)
@@ -26,11 +26,11 @@ def test_e12_ablation(run_benchmark, sizes, model_for, shape, off):
         workload = workloads.standard(vocab, sizes.e8_requests, sizes.e8_lengths)
     else:
         workload = workloads.fixed(1, sizes.e12_prompt_len, sizes.e12_new_tokens, vocab)
-    config = RunConfig(attention=sizes.attention, max_num_batched_tokens=CHUNKED_BUDGET, **OFF[off])
+    config = BenchConfig(options=dict(attention=sizes.attention, max_num_batched_tokens=CHUNKED_BUDGET, **OFF[off]))
     run_benchmark("e12", config, workload, model=sizes.model)
 
 
 def test_e12_batch1_peer(run_benchmark, sizes, model_for):
     vocab = model_for(sizes.model, sizes.dtype).config.vocab_size
     workload = workloads.fixed(1, sizes.e12_prompt_len, sizes.e12_new_tokens, vocab)
-    run_benchmark("e12", RunConfig(engine="hf_generate_static"), workload, model=sizes.model)
+    run_benchmark("e12", BenchConfig(engine="hf_generate_static"), workload, model=sizes.model)

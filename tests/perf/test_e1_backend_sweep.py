@@ -3,12 +3,12 @@
 import pytest
 
 from weft.benchmark import workloads
-from weft.benchmark.runner import RunConfig
+from weft.benchmark.runner import BenchConfig
 
 pytestmark = pytest.mark.perf
 
 BACKENDS = ("contiguous", "paged", "triton")
-CONFIGS = [RunConfig(attention=a) for a in BACKENDS] + [RunConfig(engine="hf_generate")]
+CONFIGS = [BenchConfig(options=dict(attention=a)) for a in BACKENDS] + [BenchConfig(engine="hf_generate")]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.id)

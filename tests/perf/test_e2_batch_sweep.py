@@ -4,12 +4,12 @@
 import pytest
 
 from weft.benchmark import workloads
-from weft.benchmark.runner import RunConfig
+from weft.benchmark.runner import BenchConfig
 
 pytestmark = pytest.mark.perf
 
-CONFIGS = [RunConfig(attention=a) for a in ("paged", "triton")] + [
-    RunConfig(engine=e) for e in ("hf_generate", "hf_generate_static")
+CONFIGS = [BenchConfig(options=dict(attention=a)) for a in ("paged", "triton")] + [
+    BenchConfig(engine=e) for e in ("hf_generate", "hf_generate_static")
 ]
 
 

@@ -8,14 +8,14 @@
 import pytest
 
 from weft.benchmark import workloads
-from weft.benchmark.runner import RunConfig
+from weft.benchmark.runner import BenchConfig
 
 pytestmark = pytest.mark.perf
 
 CONFIGS = [
-    RunConfig(scheduler="static", attention="contiguous"),
-    RunConfig(scheduler="continuous", attention="paged"),
-    RunConfig(scheduler="continuous", attention="triton"),
+    BenchConfig(options=dict(scheduler="static", attention="contiguous")),
+    BenchConfig(options=dict(scheduler="continuous", attention="paged")),
+    BenchConfig(options=dict(scheduler="continuous", attention="triton")),
 ]
 
 

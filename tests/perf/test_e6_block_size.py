@@ -3,7 +3,7 @@
 import pytest
 
 from weft.benchmark import workloads
-from weft.benchmark.runner import RunConfig
+from weft.benchmark.runner import BenchConfig
 
 pytestmark = pytest.mark.perf
 
@@ -13,4 +13,5 @@ def test_e6_block_size(run_benchmark, sizes, model_for, e6_block_size, attention
     vocab = model_for(sizes.model, sizes.dtype).config.vocab_size
     new = (sizes.e6_new_tokens,) * 2
     workload = workloads.uniform(sizes.e6_requests, sizes.e6_prompt_range, new, vocab, seed=0, name="e6")
-    run_benchmark("e6", RunConfig(attention=attention, block_size=e6_block_size), workload, model=sizes.model)
+    config = BenchConfig(options=dict(attention=attention, block_size=e6_block_size))
+    run_benchmark("e6", config, workload, model=sizes.model)

@@ -3,7 +3,7 @@
 import pytest
 
 from weft.benchmark import workloads
-from weft.benchmark.runner import RunConfig
+from weft.benchmark.runner import BenchConfig
 
 pytestmark = pytest.mark.perf
 
@@ -12,4 +12,4 @@ pytestmark = pytest.mark.perf
 def test_e7_tick_profile(run_benchmark, sizes, model_for, attention):
     vocab = model_for(sizes.model, sizes.dtype).config.vocab_size
     workload = workloads.fixed(sizes.e7_requests, sizes.e7_prompt_len, sizes.e7_new_tokens, vocab)
-    run_benchmark("e7", RunConfig(attention=attention), workload, model=sizes.model, profile=True)
+    run_benchmark("e7", BenchConfig(options=dict(attention=attention)), workload, model=sizes.model, profile=True)

@@ -6,17 +6,18 @@ import dataclasses
 import pytest
 
 from weft.benchmark import workloads
-from weft.benchmark.runner import RunConfig
+from weft.benchmark.runner import BenchConfig
 
 pytestmark = pytest.mark.perf
 
 CONFIGS = [
-    RunConfig(scheduler="static", attention="contiguous"),
-    RunConfig(scheduler="continuous", attention="paged"),
-    RunConfig(scheduler="continuous", attention="triton"),
-    RunConfig(scheduler="continuous", attention="triton", prefix_caching=False),  # what the cache costs unshared
-    RunConfig(engine="hf_generate"),
-    RunConfig(engine="hf_generate_batch"),
+    BenchConfig(options=dict(scheduler="static", attention="contiguous")),
+    BenchConfig(options=dict(scheduler="continuous", attention="paged")),
+    BenchConfig(options=dict(scheduler="continuous", attention="triton")),
+    # what the cache costs unshared
+    BenchConfig(options=dict(scheduler="continuous", attention="triton", enable_prefix_caching=False)),
+    BenchConfig(engine="hf_generate"),
+    BenchConfig(engine="hf_generate_batch"),
 ]
 
 

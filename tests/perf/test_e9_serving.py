@@ -18,8 +18,9 @@ import pytest
 from tests.serve.servers import child_env, free_port, live, weft_server
 from weft.benchmark import peer, workloads
 from weft.benchmark.environment import device_name, git_sha
-from weft.benchmark.runner import RunConfig
+from weft.benchmark.runner import BenchConfig, engine_options
 from weft.benchmark.serving import run
+from weft.cli import engine_flags
 
 pytestmark = pytest.mark.perf
 
@@ -63,32 +64,33 @@ def record(
 # ---- weft ---------------------------------------------------------------------------------------------
 
 
-def weft_identity(config: RunConfig) -> dict[str, object]:
-    return {"config": config.label, "engine": "weft", "scheduler": config.scheduler, "attention": config.attention,
-            "block_size": config.block_size}
-
-
-def test_e9_offline(run_benchmark, sizes, e9_standard, e9_attention):
-    run_benchmark("e9", RunConfig(attention=e9_attention), e9_standard, model=sizes.model, server="offline",
-                  request_rate="inf")
+def weft_identity(config: BenchConfig) -> dict[str, object]:
+    return {"config": config.label, "engine": "weft", "scheduler": config.setting("scheduler"),
+            "attention": config.setting("attention"), "block_size": config.setting("block_size")}
 
 
 @pytest.fixture(scope="module")
-def e9_server(e9_attention, sizes, e9_standard, e9_curve, device):
-    """`weft serve` with the offline case's engine options (WeftServer's, for the standard workload,
-    which also holds the curve's requests)."""
-    config = RunConfig(attention=e9_attention)
-    if config.attention == "triton" and device.type != "cuda":
+def e9_config(e9_attention) -> BenchConfig:
+    """weft's configuration, offline and over HTTP alike."""
+    return BenchConfig(options=dict(attention=e9_attention))
+
+
+def test_e9_offline(run_benchmark, sizes, e9_standard, e9_config):
+    run_benchmark("e9", e9_config, e9_standard, model=sizes.model, server="offline", request_rate="inf")
+
+
+@pytest.fixture(scope="module")
+def e9_server(e9_config, sizes, e9_standard, e9_curve, device):
+    """`weft serve` with the offline case's engine options (`engine_options` for the standard workload,
+    whose pool also holds the curve's requests; its context, the curve's longest request too)."""
+    if e9_config.setting("attention") == "triton" and device.type != "cuda":
         pytest.skip("triton attention does not serve on cpu")
-    w, P = e9_standard, config.block_size
-    with weft_server(
-        sizes.model, "--attention", config.attention, "--scheduler", config.scheduler, "--block-size", str(P),
-        "--num-blocks", str(w.blocks_needed(P)), "--max-num-seqs", str(len(w)),
-        "--max-num-batched-tokens", str(w.input_tokens), "--max-model-len", str(max(w.max_len, e9_curve.max_len)),
-        "--dtype", sizes.dtype, "--device", device.type, "--served-model-name", "e9",
-    ) as url:  # fmt: skip
+    w = e9_standard
+    options = engine_options(e9_config, w) | dict(max_model_len=max(w.max_len, e9_curve.max_len))
+    flags = [*engine_flags(options), "--dtype", sizes.dtype, "--device", device.type, "--served-model-name", "e9"]
+    with weft_server(sizes.model, *flags) as url:
         asyncio.run(run(url, "e9", w.warmup(2).requests))  # warm-up: compiles kernels, as offline's does
-        yield config, url
+        yield e9_config, url
 
 
 def test_e9_standard_at_rate_inf(benchmark, keep_so_far, sizes, e9_standard, e9_server, device):

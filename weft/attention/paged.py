@@ -1,32 +1,36 @@
-"""Paged backend: blocks of P tokens handed out per request; scatter via slot_mapping, gather by
-block_table into a padded copy, then the same padded SDPA as the contiguous backend.
-
-Slab [2, L, N, P, H_kv, D].
+"""The paged slab, [2, L, N, P, H_kv, D]: blocks of P tokens handed out per request, each token's K/V at
+row `slot_mapping[t]` of its layer's [N * P, H_kv, D] view (`PagedSlab`, which the triton backend shares);
+and the paged backend over it: scatter via slot_mapping, gather by block_table into a padded copy, then the
+same padded SDPA as the contiguous backend.
 """
 
 from __future__ import annotations
 
 import torch
 
-from weft.attention.base import AttentionBackend, AttentionMetadata, CacheSlots
+from weft.attention.base import AttentionBackend, AttentionMetadata, CacheSlots, StepT
 from weft.attention.padded import PaddedStep, attend_padded, plan_padded
 from weft.config import ModelConfig
 
 
-class PagedBackend(AttentionBackend):
-    name = "paged"
+class PagedSlab(AttentionBackend[StepT]):
+    """A backend over the paged slab; its step state holds the step's `meta` (the slots)."""
 
     @staticmethod
     def slab_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, cfg.L, num_blocks, block_size, cfg.H_kv, cfg.D)
 
-    def plan(self, meta: AttentionMetadata) -> PaddedStep:
-        return plan_padded(meta)
-
-    def cache_slots(self, layer: int, step: PaddedStep) -> CacheSlots:
+    def cache_slots(self, layer: int, step: StepT) -> CacheSlots:
         """Layer `layer`'s K and V as rows [N * P, H_kv, D], one per slot (views of the slab)."""
         k_rows, v_rows = (self.kv_cache[i, layer].flatten(0, 1) for i in (0, 1))
         return CacheSlots(step.meta.slot_mapping, k_rows, v_rows)
+
+
+class PagedBackend(PagedSlab[PaddedStep]):
+    name = "paged"
+
+    def plan(self, meta: AttentionMetadata) -> PaddedStep:
+        return plan_padded(meta)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: PaddedStep) -> None:
         cache = self.cache_slots(layer, step)

@@ -1,4 +1,4 @@
-"""Triton backend: the paged slab [2, L, N, P, H_kv, D], read in place by Triton kernels.
+"""Triton backend: the paged slab [2, L, N, P, H_kv, D] (weft.attention.paged), read in place by Triton kernels.
 
 Writes are RoPE's kernel's (`cache_slots`) or, in the eager attention between piecewise graphs, one
 kernel per layer (slots < 0 skipped). Reads follow the block table inside the kernels, so nothing is
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from weft.attention.base import AttentionBackend, AttentionMetadata
+from weft.attention.base import AttentionMetadata
 from weft.attention.kernels import DecodeSplits, decode_attention, prefill_attention, write_kv
 from weft.attention.kernels.tiles import MAX_HEAD_DIM
-from weft.attention.paged import PagedBackend
+from weft.attention.paged import PagedSlab
 from weft.config import ModelConfig
 
 
@@ -28,12 +28,10 @@ class TritonStep:
     splits: DecodeSplits | None  # steps with decodes: the split of their contexts and its scratch
 
 
-class TritonBackend(AttentionBackend):
+class TritonBackend(PagedSlab[TritonStep]):
     name = "triton"
     cuda_graphs = True  # `plan` needs only host ints; the kernels read every length from device memory
     max_decodes = 65535  # the decode kernel's grid holds requests on its third axis
-    slab_shape = staticmethod(PagedBackend.slab_shape)
-    cache_slots = PagedBackend.cache_slots  # the same slab, so the same rows per slot
 
     @classmethod
     def check_model(cls, cfg: ModelConfig) -> None:

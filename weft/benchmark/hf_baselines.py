@@ -8,7 +8,7 @@
 - `HFContinuousBatching`: transformers' own continuous batching (the manager that
   `generate_batch` drives). `generate_batch` takes one `max_new_tokens` for all requests,
   so requests are added to the manager directly, each with its own. The manager lives as
-  long as the server: its start-up (cache allocation, CUDA-graph capture) and the warm-up
+  long as the driver: its start-up (cache allocation, CUDA-graph capture) and the warm-up
   run happen before the timed run, as weft's do.
 
 Both ignore EOS, like weft's benchmark runs, and count the tokens each request received.

@@ -1,6 +1,7 @@
 """Run one configuration on one workload and turn the result into a benchmark record.
 
-A `Server` is built once per configuration (so its warm-up and its timed run share weights,
+A `BenchConfig` is a label's worth of settings: an engine (weft or an HF peer) and, for weft, EngineConfig
+overrides. A `Driver` is built once per configuration (so its warm-up and its timed run share weights,
 pool and compiled kernels), serves workloads, and describes itself for the record.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -26,49 +27,60 @@ from weft.inference.engine import LLMEngine
 from weft.inference.params import SamplingParams
 
 ENGINES = ("weft", "hf_generate", "hf_generate_static", "hf_generate_batch")
-
+ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+# what the benchmark sets itself: the model, dtype and device from the session, the pool and context from the workload
+SET_BY_BENCHMARK = ("model", "dtype", "device", "num_blocks", "max_model_len")
 
 GRAPHS_OFF = {"NONE": "CUDA graphs", "FULL_DECODE_ONLY": "piecewise graphs", "PIECEWISE": "decode graphs"}
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    """What to serve with. Scheduler, attention and pool settings apply to weft only."""
+class BenchConfig:
+    """What to serve with: an engine of ENGINES, and for weft EngineConfig overrides by field name (`options`;
+    the rest keep EngineConfig's defaults) and the pool's size."""
 
     engine: str = "weft"
-    scheduler: str = "continuous"
-    attention: str = "paged"
-    block_size: int = 16
-    pool_fraction: float = 1.0  # paged/triton pool, as a fraction of what holds every request at once
-    max_num_seqs: int | None = None  # None: every request of the workload may run at once
+    options: dict[str, object] = field(default_factory=dict)
+    pool_fraction: float = 1.0  # weft: the pool as a fraction of what holds every request at once
     hf_batch_size: int | None = None  # hf_generate(_static): requests per padded batch; None: all in one
-    prefix_caching: bool | None = None  # weft's enable_prefix_caching; None: its default (on where it can be)
-    max_num_batched_tokens: int | None = None  # weft's step budget; None: the workload's prompts, all in a step
-    chunked_prefill: bool = True  # weft's enable_chunked_prefill
-    cudagraph_mode: str = "FULL_AND_PIECEWISE"  # weft's (CUDAGRAPH_MODES)
-    overlap: bool = True  # weft's enable_overlap
-    fused_layers: bool = True  # weft's enable_fused_layers
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}: choose from {', '.join(ENGINES)}")
+        object.__setattr__(self, "options", dict(self.options))  # a copy: the caller may reuse its dict
+        if self.options and self.engine != "weft":
+            raise ValueError(f"{self.engine} takes no engine options, got {', '.join(map(str, self.options))}")
+        unknown = [name for name in self.options if name not in ENGINE_DEFAULTS]
+        if unknown:
+            raise ValueError(f"not EngineConfig fields: {', '.join(map(str, unknown))}")
+        fixed = [name for name in self.options if name in SET_BY_BENCHMARK]
+        if fixed:
+            raise ValueError(f"{', '.join(fixed)}: set by the benchmark from the session and the workload, not options")
         if self.engine == "weft":
-            check_names(self.attention, self.scheduler, self.cudagraph_mode)
+            check_names(self.setting("attention"), self.setting("scheduler"), self.setting("cudagraph_mode"))
         if not 0 < self.pool_fraction <= 1:
             raise ValueError(f"pool_fraction must be in (0, 1], got {self.pool_fraction}")
 
+    def setting(self, name: str) -> object:
+        """weft's EngineConfig `name`: the option given, else EngineConfig's default."""
+        return self.options.get(name, ENGINE_DEFAULTS[name])
+
     @property
     def label(self) -> str:
-        """'continuous×triton' for weft (', no prefix cache' and the like for what is turned off), the engine
-        name for the HF baselines."""
+        """'continuous×triton' for weft (', no prefix cache' and the like for what the options turn off), the
+        engine name for the HF baselines."""
         if self.engine != "weft":
             return self.engine
-        graphs = GRAPHS_OFF.get(self.cudagraph_mode)
-        off = [name for name, on in (("chunked prefill", self.chunked_prefill), (graphs, graphs is None),
-                                     ("prefix cache", self.prefix_caching is not False), ("overlap", self.overlap),
-                                     ("fused layers", self.fused_layers))
-               if not on]
-        return f"{self.scheduler}×{self.attention}" + "".join(f", no {name}" for name in off)
+        graphs = GRAPHS_OFF.get("NONE" if self.options.get("enforce_eager") else self.setting("cudagraph_mode"))
+
+        def off(option: str) -> bool:
+            return self.options.get(option) is False  # only when asked: the defaults go unlabelled
+
+        parts = (("chunked prefill", off("enable_chunked_prefill")), (graphs, graphs is not None),
+                 ("prefix cache", off("enable_prefix_caching")), ("overlap", off("enable_overlap")),
+                 ("fused layers", off("enable_fused_layers")))
+        return f"{self.setting('scheduler')}×{self.setting('attention')}" + "".join(
+            f", no {name}" for name, is_off in parts if is_off)
 
     @property
     def id(self) -> str:
@@ -79,7 +91,9 @@ class RunConfig:
                 .replace(", no overlap", "-nooverlap").replace(", no fused layers", "-nofused"))
 
 
-class Server(Protocol):
+class Driver(Protocol):
+    """Drives one engine through a benchmark's workloads."""
+
     def serve(self, workload: Workload) -> Served: ...
 
     def describe(self) -> dict[str, object]:
@@ -87,7 +101,7 @@ class Server(Protocol):
         ...
 
     def close(self) -> None:
-        """Free what the server holds (pool, cache, threads)."""
+        """Free what the driver holds (pool, cache, threads)."""
         ...
 
 
@@ -96,40 +110,38 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-class WeftServer:
-    """A persistent weft engine whose pool is sized for `workload`: every request fits at once at
-    pool_fraction 1. Each `serve` replays a workload's arrival ticks into it."""
+def engine_options(config: BenchConfig, workload: Workload) -> dict[str, object]:
+    """EngineConfig's keyword arguments but model, dtype and device for weft's `config` on `workload`.
+
+    The engine is sized to the workload: at pool_fraction 1 its pool holds every request at once (the
+    contiguous backend: a row per request it may hold), and by default it may hold them all in a step, with
+    all their prompts' tokens; then `config.options` on top (an option given wins).
+    """
+    if config.engine != "weft":
+        raise ValueError(f"engine options are weft's, not {config.engine}'s")
+    max_num_seqs = config.options.get("max_num_seqs", len(workload))
+    if config.setting("attention") == "contiguous":
+        num_blocks = max_num_seqs  # rows of S_max = max_model_len slots
+    else:
+        P = config.setting("block_size")
+        shrunk = math.ceil(workload.blocks_needed(P) * config.pool_fraction)
+        num_blocks = max(shrunk, workload.largest_request_blocks(P))
+    # By default the token budget never limits admission: batches are bounded by max_num_seqs and the pool,
+    # so the static scheduler forms the batches it is meant to.
+    sized = dict(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=workload.input_tokens,
+                 max_model_len=workload.max_len)
+    return sized | config.options
+
+
+class WeftDriver:
+    """A persistent weft engine sized for `workload` (`engine_options`). Each `serve` replays a workload's
+    arrivals (ticks or seconds) into it."""
 
     def __init__(
-        self, model: PreTrainedModel, config: RunConfig, workload: Workload, dtype: str, device: torch.device
+        self, model: PreTrainedModel, config: BenchConfig, workload: Workload, dtype: str, device: torch.device
     ) -> None:
         self.config = config
-        max_num_seqs = config.max_num_seqs or len(workload)
-        if config.attention == "contiguous":
-            num_blocks = max_num_seqs  # rows of S_max = max_model_len slots
-        else:
-            P = config.block_size
-            shrunk = math.ceil(workload.blocks_needed(P) * config.pool_fraction)
-            num_blocks = max(shrunk, workload.largest_request_blocks(P))
-        self.engine_config = EngineConfig(
-            model=model,
-            attention=config.attention,
-            scheduler=config.scheduler,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=max_num_seqs,
-            # By default the token budget never limits admission: batches are bounded by max_num_seqs and
-            # the pool, so the static scheduler forms the batches it is meant to.
-            max_num_batched_tokens=config.max_num_batched_tokens or workload.input_tokens,
-            max_model_len=workload.max_len,
-            enable_prefix_caching=config.prefix_caching,
-            enable_chunked_prefill=config.chunked_prefill,
-            cudagraph_mode=config.cudagraph_mode,
-            enable_overlap=config.overlap,
-            enable_fused_layers=config.fused_layers,
-            dtype=dtype,
-            device=device,
-        )
+        self.engine_config = EngineConfig(model=model, dtype=dtype, device=device, **engine_options(config, workload))
         self.engine = LLMEngine(self.engine_config)
         self.runs = 0
 
@@ -171,33 +183,33 @@ class WeftServer:
         self.engine.close()
 
 
-def make_server(
-    config: RunConfig,
+def make_driver(
+    config: BenchConfig,
     model: PreTrainedModel,
     workload: Workload,
     dtype: str,
     device: torch.device,
     hf_cb_config: ContinuousBatchingConfig | None = None,
-) -> Server:
+) -> Driver:
     """`hf_cb_config` sizes hf_generate_batch's cache (None: transformers' defaults)."""
     if config.engine == "weft":
-        return WeftServer(model, config, workload, dtype, device)
+        return WeftDriver(model, config, workload, dtype, device)
     if config.engine in ("hf_generate", "hf_generate_static"):
         return HFGenerate(model, config.hf_batch_size, device, static=config.engine == "hf_generate_static")
     return HFContinuousBatching(model, workload, device, hf_cb_config)
 
 
 def release(device: torch.device) -> None:
-    """Give the finished server's memory back before the next configuration allocates its own."""
+    """Give the finished driver's memory back before the next configuration allocates its own."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def unrelated_bytes(config: RunConfig, model: PreTrainedModel, device: torch.device) -> int:
+def unrelated_bytes(config: BenchConfig, model: PreTrainedModel, device: torch.device) -> int:
     """Device memory held now that a run of `config` on `model` must not be charged for.
 
-    Taken before the server is built. The HF baselines serve from `model` itself, so its
+    Taken before the driver is built. The HF baselines serve from `model` itself, so its
     weights are theirs; weft copies them into its own model, allocated after this point,
     so everything held now (the session's models) is someone else's.
     """
@@ -211,8 +223,8 @@ def unrelated_bytes(config: RunConfig, model: PreTrainedModel, device: torch.dev
 
 def record(
     experiment: str,
-    config: RunConfig,
-    server: Server,
+    config: BenchConfig,
+    driver: Driver,
     served: Served,
     workload: Workload,
     model: str,
@@ -234,7 +246,7 @@ def record(
     return {
         "experiment": experiment,
         "config": config.label,
-        **server.describe(),
+        **driver.describe(),
         "model": model,
         "dtype": dtype,
         "gpu": device_name(device),

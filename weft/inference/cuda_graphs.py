@@ -13,17 +13,19 @@ more than running them. So, once per pool, the forward is captured and then repl
   decodes) per padded token count, as L + 1 graphs cut at each layer's attention, which runs eagerly
   between them on the step's real tokens and metadata, whatever their mix of requests. Every op in
   the graphs works row by row, so padding rows (stale inputs of earlier steps) change no real row.
+  While they are captured the model's attention is `AttentionCut`, which implements the model's
+  `Attention` as a backend does, with static buffers in place of the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic
 
 import torch
 
-from weft.attention.base import AttentionBackend, AttentionMetadata
+from weft.attention.base import AttentionBackend, AttentionMetadata, CacheSlots, StepT
 from weft.models.llama import LlamaForCausalLM
 from weft.utils import cdiv
 
@@ -84,16 +86,18 @@ class StaticInputs:
 
 
 @dataclass
-class CapturedStep:
+class CapturedStep(Generic[StepT]):
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # [B, E]: the graph's output
-    step: Any  # the backend's per-step state the graph reads (kept alive with it)
+    step: StepT  # the backend's per-step state the graph reads (kept alive with it)
 
 
-class DecodeGraphs:
+class DecodeGraphs(Generic[StepT]):
     """Decode forward passes of `model` over `attn`'s pool, captured per batch size."""
 
-    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_batch: int, max_model_len: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, attn: AttentionBackend[StepT], max_batch: int, max_model_len: int
+    ) -> None:
         if not attn.cuda_graphs:
             raise ValueError(f"{attn.name} attention cannot be captured in CUDA graphs")
         self.model = model
@@ -101,7 +105,7 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(min(max_batch, MAX_GRAPH_BATCH))
         max_blocks = cdiv(max_model_len, attn.block_size)
         self.inputs = StaticInputs.allocate(self.sizes[-1], max_blocks, attn.block_size, attn.kv_cache.device)
-        self.captured: dict[int, CapturedStep] = {}
+        self.captured: dict[int, CapturedStep[StepT]] = {}
         self.replays = 0
         self._capture()
 
@@ -169,6 +173,7 @@ class AttentionBuffers:
     k: torch.Tensor  # [T_max, H_kv, D]
     v: torch.Tensor  # [T_max, H_kv, D]
     out: torch.Tensor  # [T_max, H_q, D]
+    rows: torch.Tensor  # [T_max] int64: 0, 1, 2, ...: token t's K/V at row t of k and v
 
     @classmethod
     def allocate(cls, T_max: int, H_q: int, H_kv: int, D: int, dtype: torch.dtype, device: torch.device
@@ -176,18 +181,20 @@ class AttentionBuffers:
         def buffer(heads: int) -> torch.Tensor:
             return torch.zeros(T_max, heads, D, dtype=dtype, device=device)  # zeros: padding rows stay finite
 
-        return cls(buffer(H_q), buffer(H_kv), buffer(H_kv), buffer(H_q))
+        return cls(buffer(H_q), buffer(H_kv), buffer(H_kv), buffer(H_q), torch.arange(T_max, device=device))
 
-    def rows(self, T: int) -> AttentionBuffers:
-        return AttentionBuffers(self.q[:T], self.k[:T], self.v[:T], self.out[:T])
+    def first(self, T: int) -> AttentionBuffers:
+        """Rows [0, T): a step of T tokens."""
+        return AttentionBuffers(self.q[:T], self.k[:T], self.v[:T], self.out[:T], self.rows[:T])
 
 
-class _AttentionCut:
-    """What the model calls for attention while it is captured piecewise: each layer's call copies q, k, v
-    into the buffers, ends the graph being captured and begins the next, and returns the output buffer.
-    With no graph pool it only does the copies: a warm-up run."""
+class AttentionCut:
+    """The model's `Attention` while it is captured piecewise: each layer's call leaves its q, k and v in the
+    buffers (a kernel storing K/V there as it would in a cache, at `cache_slots`), ends the graph being captured
+    and begins the next, and returns the output buffer, which the eager attention between the replays fills.
+    With no graph pool it only fills the buffers: a warm-up run. It has no step state (None)."""
 
-    def __init__(self, buffers: AttentionBuffers, pool: Any | None) -> None:
+    def __init__(self, buffers: AttentionBuffers, pool: tuple[int, int] | None) -> None:
         self.buffers, self.pool, self.pieces = buffers, pool, Pieces()
         self._begin()
 
@@ -200,23 +207,28 @@ class _AttentionCut:
         if self.pool is not None:
             self.pieces.graphs[-1].capture_end()
 
-    def cache_slots(self, layer: int, step: Any) -> None:
-        """None: K/V are stored by the eager attention between the graphs, with the step's own slots."""
-        return None
+    def cache_slots(self, layer: int, step: None) -> CacheSlots:
+        """The k and v buffers as the rows of a cache, token t's at row t."""
+        b = self.buffers
+        return CacheSlots(b.rows, b.k, b.v)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Any) -> torch.Tensor:
-        for buffer, x in zip((self.buffers.q, self.buffers.k, self.buffers.v), (q, k, v), strict=True):
-            buffer.copy_(x)
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: None) -> torch.Tensor:
+        self.buffers.k.copy_(k)
+        self.buffers.v.copy_(v)
+        return self.attend(layer, q, step)
+
+    def attend(self, layer: int, q: torch.Tensor, step: None) -> torch.Tensor:
+        self.buffers.q.copy_(q)
         self.end()
         self._begin()
         return self.buffers.out
 
 
-class PiecewiseGraphs:
+class PiecewiseGraphs(Generic[StepT]):
     """Forward passes of `model` of up to max_tokens new tokens (MAX_GRAPH_TOKENS at most), captured around
     `attn`'s attention per token count."""
 
-    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_tokens: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend[StepT], max_tokens: int) -> None:
         self.model = model
         self.attn = attn
         self.sizes = graph_token_counts(min(max_tokens, MAX_GRAPH_TOKENS))
@@ -236,11 +248,11 @@ class PiecewiseGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()  # captures must not run on the default stream
         for T in reversed(self.sizes):  # the largest first, so that the smaller ones reuse its memory
-            ids, positions, buffers = self.input_ids[:T], self.positions[:T], self.buffers.rows(T)
-            self.model(ids, positions, _AttentionCut(buffers, None), None)  # warm-up: compiles, picks GEMMs
+            ids, positions, buffers = self.input_ids[:T], self.positions[:T], self.buffers.first(T)
+            self.model(ids, positions, AttentionCut(buffers, None), None)  # warm-up: compiles, picks GEMMs
             torch.cuda.synchronize()
             with torch.cuda.stream(stream):
-                cut = _AttentionCut(buffers, pool)
+                cut = AttentionCut(buffers, pool)
                 try:
                     hidden = self.model(ids, positions, cut, None)
                 except BaseException:  # end the capture left open, so that the stream and the process stay usable
@@ -259,7 +271,7 @@ class PiecewiseGraphs:
         pieces = self.captured[next(s for s in self.sizes if s >= T)]
         self.input_ids[:T].copy_(input_ids)
         self.positions[:T].copy_(positions)
-        step, b = self.attn.prepare(meta), self.buffers.rows(T)
+        step, b = self.attn.prepare(meta), self.buffers.first(T)
         for layer, graph in enumerate(pieces.graphs[:-1]):
             graph.replay()
             self.attn.forward(layer, b.q, b.k, b.v, step, b.out)

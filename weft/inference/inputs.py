@@ -11,9 +11,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weft.errors import ParamTypeError, ParamValueError
 from weft.utils import as_int
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+PROMPT = "prompt"  # the param every refusal of a prompt names (weft.errors)
 
 
 @dataclass(frozen=True)
@@ -37,16 +39,17 @@ def is_single_prompt(prompts: object) -> bool:
 def prompt_list(prompts: object) -> list[object]:
     """`generate`'s first argument as a list of prompts (each still to be checked by `parse_prompt`)."""
     if prompts is None or isinstance(prompts, bytes | bytearray) or isinstance(prompts, Iterator):
-        raise TypeError(
+        raise ParamTypeError(
             "prompts must be a str, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', or a list of "
-            f"those; got {_describe(prompts)}" + (": pass list(...)" if isinstance(prompts, Iterator) else "")
+            f"those; got {_describe(prompts)}" + (": pass list(...)" if isinstance(prompts, Iterator) else ""),
+            PROMPT,
         )
     if is_single_prompt(prompts):
         return [prompts]
     if _is_array(prompts):  # a 2-D batch of equal-length prompts
         return list(prompts)
     if not isinstance(prompts, Sequence):
-        raise TypeError(f"prompts must be a prompt or a list of prompts, got {_describe(prompts)}")
+        raise ParamTypeError(f"prompts must be a prompt or a list of prompts, got {_describe(prompts)}", PROMPT)
     return list(prompts)
 
 
@@ -56,47 +59,50 @@ def parse_prompt(prompt: object, tokenizer: Any | None, vocab_size: int, label: 
         keys = [k for k in PROMPT_KEYS if k in prompt]
         extra = sorted(set(map(str, prompt)) - set(PROMPT_KEYS))
         if len(keys) != 1 or extra:
-            raise ValueError(
+            raise ParamValueError(
                 f"{label}: a dict prompt holds exactly one of 'prompt' (text) or 'prompt_token_ids'; got keys "
-                f"{sorted(map(str, prompt))}"
+                f"{sorted(map(str, prompt))}",
+                PROMPT,
             )
         value = prompt[keys[0]]
         if keys[0] == "prompt" and not isinstance(value, str):
-            raise TypeError(f"{label}: 'prompt' must be text, got {_describe(value)}")
+            raise ParamTypeError(f"{label}: 'prompt' must be text, got {_describe(value)}", PROMPT)
         if keys[0] == "prompt_token_ids" and isinstance(value, str):
-            raise TypeError(f"{label}: 'prompt_token_ids' must be token ids, got text")
+            raise ParamTypeError(f"{label}: 'prompt_token_ids' must be token ids, got text", PROMPT)
         prompt = value
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError(f"{label} is text, but the model has no tokenizer: pass token ids")
+            raise ParamValueError(f"{label} is text, but the model has no tokenizer: pass token ids", PROMPT)
         ids = tokenizer.encode(prompt)
         if not ids:
-            raise ValueError(f"{label} is empty: {prompt!r} tokenizes to no tokens")
+            raise ParamValueError(f"{label} is empty: {prompt!r} tokenizes to no tokens", PROMPT)
         return Prompt(_check_vocab(ids, vocab_size, label), prompt)
     if _is_array(prompt):
         if len(prompt.shape) != 1:
-            raise ValueError(f"{label}: an array of token ids must be 1-D, got shape {tuple(prompt.shape)}")
+            raise ParamValueError(f"{label}: an array of token ids must be 1-D, got shape {tuple(prompt.shape)}",
+                                  PROMPT)
         kind = str(prompt.dtype)
         if kind.replace("torch.", "").rstrip("0123456789") not in ("int", "uint"):
-            raise TypeError(f"{label}: token ids must be integers, got an array of {kind}")
+            raise ParamTypeError(f"{label}: token ids must be integers, got an array of {kind}", PROMPT)
         prompt = prompt.tolist()
     if not isinstance(prompt, Sequence) or isinstance(prompt, bytes | bytearray):
-        raise TypeError(
+        raise ParamTypeError(
             f"{label} must be a str, a list of token ids or a dict with 'prompt' or 'prompt_token_ids', "
-            f"got {_describe(prompt)}"
+            f"got {_describe(prompt)}",
+            PROMPT,
         )
     ids = list(prompt)
     if not all(type(t) is int for t in ids):
-        ids = [as_int(f"{label}: token {i}", t) for i, t in enumerate(ids)]
+        ids = [as_int(f"{label}: token {i}", t, PROMPT) for i, t in enumerate(ids)]
     if not ids:
-        raise ValueError(f"{label} is empty: it has no token ids")
+        raise ParamValueError(f"{label} is empty: it has no token ids", PROMPT)
     return Prompt(_check_vocab(ids, vocab_size, label), None)
 
 
 def _check_vocab(ids: list[int], vocab_size: int, label: str) -> list[int]:
     if min(ids) < 0 or max(ids) >= vocab_size:
         bad = [t for t in ids if not 0 <= t < vocab_size]
-        raise ValueError(f"{label} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        raise ParamValueError(f"{label} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", PROMPT)
     return ids
 
 

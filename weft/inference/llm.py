@@ -52,26 +52,23 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         else:
             raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r:.60}")
+        finals = [dataclasses.replace(check_sampling_params(p, f"sampling_params[{i}]"),
+                                      output_kind=RequestOutputKind.FINAL_ONLY) for i, p in enumerate(params)]
         engine = self.llm_engine
-        seqs = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            p = check_sampling_params(p, f"sampling_params[{i}]")
-            final = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-            seqs.append(engine.make_request(str(next(self._request_ids)), prompt, final, label=f"prompt {i}"))
-        ours = {seq.request_id for seq in seqs}
+        ids = [str(next(self._request_ids)) for _ in prompts]
+        ours = set(ids)
+        engine.add_requests(ids, prompts, finals, labels=[f"prompt {i}" for i in range(len(prompts))])
         done: dict[str | int, RequestOutput] = {}
         try:
-            for seq in seqs:
-                engine.enqueue(seq)
-            with tqdm(total=len(seqs), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
-                while len(done) < len(seqs):
+            with tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
+                while len(done) < len(ids):
                     for out in engine.step():
                         if out.finished and out.request_id in ours:
                             done[out.request_id] = out
                             bar.update()
         finally:  # an exception mid-run leaves none of this call's requests behind in the engine
-            engine.abort_request([s.request_id for s in seqs if s.request_id not in done])
-        return [done[s.request_id] for s in seqs]
+            engine.abort_request([rid for rid in ids if rid not in done])
+        return [done[rid] for rid in ids]
 
     def chat(
         self,

@@ -1,5 +1,5 @@
 """What the engine returns, in vLLM's shape: a RequestOutput per request, its completion in
-`outputs[0]`, and when things happened; plus the engine's lifetime counters."""
+`outputs[0]`, and when things happened; plus the engine's lifetime counters and gauges."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: RequestMetrics
+    metrics: RequestMetrics | None  # the engine's are always set; the server's pieces carry them when finished
     # with SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
@@ -75,8 +75,10 @@ class EngineStats:
     """Counters over the engine's lifetime; `since` gives those of a stretch of it."""
 
     steps: int = 0
-    prefill_tokens: int = 0  # prompt tokens, in one step or in chunks, and tokens recomputed after a preemption
-    decode_tokens: int = 0  # each step's newest tokens: the ones sampled the step before
+    prompt_tokens: int = 0  # the prompts of requests that got their first token (vLLM's), cached tokens included
+    generation_tokens: int = 0  # tokens generated and handed out
+    prefill_tokens: int = 0  # tokens computed as prefill: prompts, in one step or in chunks, and recomputations
+    decode_tokens: int = 0  # tokens computed as decode: each step's newest ones, sampled the step before
     num_preemptions: int = 0
     recomputed_tokens: int = 0  # tokens whose K/V was computed again after a preemption
     prefix_cache_queries: int = 0  # known tokens of requests at their admissions
@@ -89,3 +91,14 @@ class EngineStats:
 
     def since(self, earlier: EngineStats) -> EngineStats:
         return EngineStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """One reading of the engine (LLMEngine.snapshot): its gauges now and its counters so far."""
+
+    num_running: int  # requests in the running batch
+    num_waiting: int  # requests queued, not admitted (preempted ones included)
+    blocks_used: int  # KV pool blocks held by requests
+    blocks_total: int  # N
+    stats: EngineStats

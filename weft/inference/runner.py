@@ -11,6 +11,7 @@ landed yet (the engine's overlap) reads it on the device, from the last step's i
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -20,8 +21,8 @@ import torch.distributed as dist
 from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.distributed import SINGLE, TensorParallel
 from weft.inference.cuda_graphs import DecodeGraphs, PiecewiseGraphs
-from weft.inference.logprobs import Entries, logprob_entries
-from weft.inference.scheduler import ScheduledBatch
+from weft.inference.logprobs import Entries, as_dict, logprob_entries
+from weft.inference.scheduler import ScheduledBatch, StepOutput
 from weft.inference.sequence import Sequence
 from weft.layers.sampler import MASK32, SamplingTensors, sample
 from weft.models.llama import LlamaForCausalLM
@@ -29,7 +30,7 @@ from weft.models.llama import LlamaForCausalLM
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Where a step's ints lie in its one transfer; a tensor-parallel worker is sent this (`header`) first."""
+    """Where a step's ints lie in its one transfer; the other tensor-parallel ranks are sent this (`header`) first."""
 
     B: int
     T_total: int
@@ -90,19 +91,23 @@ class StepTensors:
 
 
 @dataclass
-class StepInputs:
-    tensors: StepTensors
+class StepLists:
+    """A step's inputs as host lists, gathered request by request (no loop over tokens), before they are packed
+    into the one transfer; `parts` in `StepLayout.sizes`' order but the slots, which packing derives."""
+
+    layout: StepLayout
+    parts: tuple[Iterable[int], ...]  # input ids, positions, query starts, context lengths, logit rows, block
+    # tables (B rows of `width` blocks), pending rows, their rows in the last step's ids
+    num_new_tokens: list[int]  # T of each request
     sampling: list[Sequence]  # the B' sequences that get a next token
     prompt_targets: list[int]  # the next token of each prompt row
     prompt_owners: list[Sequence]  # the request of each prompt row
 
 
 @dataclass
-class StepOutput:
-    sampled: list[Sequence]  # the sequences that got a next token
-    tokens: list[int]  # those tokens
-    logprobs: list[Entries | None]  # per sampled sequence: its token's entries, if it asks for logprobs
-    prompt_logprobs: list[tuple[Sequence, Entries]]  # (request, the entries of its next prompt token), in order
+class StepInputs:
+    tensors: StepTensors  # on the device
+    lists: StepLists  # what they were packed from
 
 
 @dataclass
@@ -120,10 +125,51 @@ class Launched:
     def asks_logprobs(self) -> bool:
         return bool(self.prompt_logprobs) or any(e is not None for e in self.logprobs)
 
-    def land(self) -> StepOutput:
+    def land(self, decode: Callable[[list[int]], str] | None) -> StepOutput:
+        """Wait for the sampled ids -> the step's output, its logprobs as vLLM's entries (`decode`: token ids to
+        text, for their decoded tokens; None: no text)."""
         if self.copied is not None:
             self.copied.synchronize()
-        return StepOutput(self.sampled, self.host.tolist(), self.logprobs, self.prompt_logprobs)
+        return StepOutput(self.sampled, self.host.tolist(),
+                          [as_dict(e, decode) if e is not None else None for e in self.logprobs],
+                          [(seq, as_dict(e, decode)) for seq, e in self.prompt_logprobs])
+
+
+def gather(batch: ScheduledBatch) -> StepLists:
+    """`batch`'s inputs as host lists, from per-request slices; a request whose newest token is still on the
+    device (pending) gets a placeholder row, filled on the device when the lists are packed."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    starts, context_lens, sample_rows, sampling = [0], [], [], []
+    prompt_rows, prompt_targets, prompt_owners = [], [], []
+    pending_at, pending_rows = [], []  # rows of this step whose token is pending, and its row among those ids
+    for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        begin, end = seq.num_computed_tokens, seq.num_computed_tokens + T
+        if seq.prompt_logprobs is not None:  # rows predicting a prompt token not yet scored
+            first = max(begin, len(seq.prompt_logprobs) - 1)
+            for p in range(first, min(end, seq.num_prompt_tokens - 1)):
+                prompt_rows.append(starts[-1] + p - begin)
+                prompt_targets.append(seq.token_ids[p + 1])
+                prompt_owners.append(seq)
+        input_ids += seq.token_ids[begin:end]
+        if seq.num_pending:  # its newest token (the last of this slice) is still on the device
+            pending_at.append(len(input_ids))
+            pending_rows.append(seq.pending_row)
+            input_ids.append(0)
+        positions += range(begin, end)
+        starts.append(starts[-1] + T)
+        context_lens.append(end)
+        if end == seq.num_tokens:
+            sample_rows.append(starts[-1] - 1)
+            sampling.append(seq)
+    B, T_total, width = len(batch), len(input_ids), max(len(seq.block_table) for seq in batch.seqs)
+    layout = StepLayout(B, T_total, width, len(sample_rows), len(prompt_rows), len(pending_at),
+                        max(batch.num_new_tokens), max(context_lens),
+                        next((i for i, T in enumerate(batch.num_new_tokens) if T != 1), B))
+    tables = itertools.chain.from_iterable(seq.block_table + [0] * (width - len(seq.block_table))
+                                           for seq in batch.seqs)
+    parts = (input_ids, positions, starts, context_lens, sample_rows + prompt_rows, tables, pending_at, pending_rows)
+    return StepLists(layout, parts, batch.num_new_tokens, sampling, prompt_targets, prompt_owners)
 
 
 class ModelRunner:
@@ -141,60 +187,33 @@ class ModelRunner:
         self.pieces = pieces  # other steps replayed piecewise around `attn`
 
     def prepare(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> StepInputs:
-        """The step's inputs, built from per-request slices (no loop over tokens) and sent to the device
-        in one copy (and to the tensor-parallel workers); a request's newest token, if still pending, is
-        read from `pending` (the last step's sampled ids [B'_last]) on the device."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        starts, context_lens, sample_rows, sampling = [0], [], [], []
-        prompt_rows, prompt_targets, prompt_owners = [], [], []
-        pending_at, pending_rows = [], []  # rows of this step whose token is in `pending`, and its row there
-        for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            begin, end = seq.num_computed_tokens, seq.num_computed_tokens + T
-            if seq.prompt_logprobs is not None:  # rows predicting a prompt token not yet scored
-                first = max(begin, len(seq.prompt_logprobs) - 1)
-                for p in range(first, min(end, seq.num_prompt_tokens - 1)):
-                    prompt_rows.append(starts[-1] + p - begin)
-                    prompt_targets.append(seq.token_ids[p + 1])
-                    prompt_owners.append(seq)
-            input_ids += seq.token_ids[begin:end]
-            if seq.num_pending:  # its newest token (the last of this slice) is still on the device
-                pending_at.append(len(input_ids))
-                pending_rows.append(seq.pending_row)
-                input_ids.append(0)
-            positions += range(begin, end)
-            starts.append(starts[-1] + T)
-            context_lens.append(end)
-            if end == seq.num_tokens:
-                sample_rows.append(starts[-1] - 1)
-                sampling.append(seq)
-        B, T_total, width = len(batch), len(input_ids), max(len(seq.block_table) for seq in batch.seqs)
-        layout = StepLayout(B, T_total, width, len(sample_rows), len(prompt_rows), len(pending_at),
-                            max(batch.num_new_tokens), max(context_lens),
-                            next((i for i, T in enumerate(batch.num_new_tokens) if T != 1), B))
-        tables = itertools.chain.from_iterable(seq.block_table + [0] * (width - len(seq.block_table))
-                                               for seq in batch.seqs)
-        parts = (input_ids, positions, starts, context_lens, sample_rows + prompt_rows, tables, pending_at,
-                 pending_rows)
-        # numpy reads the lists ~3x faster than torch.tensor
+        """The step's inputs on the device (and on the other tensor-parallel ranks), sent in one copy; a request's
+        newest token, if still pending, is read from `pending` (the last step's sampled ids [B'_last])."""
+        return self.pack(gather(batch), pending)
+
+    def pack(self, lists: StepLists, pending: torch.Tensor | None) -> StepInputs:
+        """`lists` into one int64 buffer (each part padded to an even length, the slots derived from the block
+        tables and positions at the end), copied to the device in one transfer; the pending rows filled there."""
+        layout, at = lists.layout, lists.layout.offsets
         ints = np.fromiter(itertools.chain.from_iterable(itertools.chain(part, [0] * (n % 2))
-                                                         for part, n in zip(parts, layout.sizes[:-1], strict=True)),
+                                                         for part, n in zip(lists.parts, layout.sizes[:-1],
+                                                                            strict=True)),
                            np.int64)
-        at = layout.offsets
-        P, pos = self.attn.block_size, ints[at[1] : at[1] + T_total]
-        owner = np.repeat(np.arange(B), batch.num_new_tokens)  # each new token's request, in order
+        P, B, width = self.attn.block_size, layout.B, layout.width
+        pos = ints[at[1] : at[1] + layout.T_total]
+        owner = np.repeat(np.arange(B), lists.num_new_tokens)  # each new token's request, in order
         slots = ints[at[5] : at[5] + B * width].reshape(B, width)[owner, pos // P] * P + pos % P
         host = torch.from_numpy(np.concatenate([ints, slots]))
         if self.device.type == "cuda":
             host = host.pin_memory()
         flat = host.to(self.device, non_blocking=True)
         x = layout.views(flat)
-        if pending_at:
+        if layout.num_pending:
             x.input_ids.index_copy_(0, x.pending_at, pending.index_select(0, x.pending_from))
         if self.tp.size > 1:
             dist.broadcast(torch.tensor(layout.header, device=self.device), 0)
             dist.broadcast(flat, 0)  # the pending tokens filled in
-        return StepInputs(x, sampling, prompt_targets, prompt_owners)
+        return StepInputs(x, lists)
 
     def forward(self, x: StepTensors) -> torch.Tensor:
         """One forward pass -> logits [B' + prompt rows, V] of the step's logit rows, in the activations' dtype
@@ -211,8 +230,9 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, last: Launched | None = None) -> Launched:
         """Queue `batch`'s forward pass and sampling on the device (`last`: the step before, whose ids
         may still be pending) -> the step in flight. Logprobs, when asked for, are computed here."""
-        x = self.prepare(batch, last.tokens if last is not None else None)
-        logits = self.forward(x.tensors)
+        step = self.prepare(batch, last.tokens if last is not None else None)
+        logits = self.forward(step.tensors)
+        x = step.lists
         n = len(x.sampling)
         tokens = sample(logits[:n], self.sampling_tensors(x.sampling))
         cuda = self.device.type == "cuda"
@@ -236,7 +256,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self) -> None:
-        """A tensor-parallel worker's loop: run each step rank 0 sends, until it sends an empty one."""
+        """Ranks 1..size-1: run each step rank 0 sends, until it sends an empty one."""
         header = torch.empty(len(fields(StepLayout)), dtype=torch.int64, device=self.device)
         while True:
             dist.broadcast(header, 0)
@@ -247,8 +267,8 @@ class ModelRunner:
             dist.broadcast(flat, 0)
             self.forward(layout.views(flat))
 
-    def stop_workers(self) -> None:
-        """Rank 0: tell the workers there are no more steps."""
+    def stop_ranks(self) -> None:
+        """Rank 0: tell the other ranks there are no more steps."""
         dist.broadcast(torch.zeros(len(fields(StepLayout)), dtype=torch.int64, device=self.device), 0)
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors | None:

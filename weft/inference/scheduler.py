@@ -6,7 +6,10 @@
   under the token budget; when the pool runs out the latest-admitted sequence is preempted
   and later recomputed from its tokens.
 
-Both cut prefills into chunks under the step's token budget when chunked prefill is on.
+Both cut prefills into chunks under the step's token budget when chunked prefill is on. A scheduler
+owns its sequences' state for their whole life (with its block manager, their blocks): `schedule`
+picks a step's work, `launched` marks it queued on the device, `landed` takes its tokens back, and
+`remove` ends a request; nothing else writes a sequence's status, counts or tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from weft.inference.block_manager import BlockManager
+from weft.inference.outputs import Logprob
 from weft.inference.sequence import Sequence, Status
 
 
@@ -46,21 +50,33 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+@dataclass
+class StepOutput:
+    """What a launched step gives back once its sampled ids are on the host."""
+
+    sampled: list[Sequence]  # the sequences that got a next token, in the order of their rows
+    tokens: list[int]  # those tokens
+    logprobs: list[dict[int, Logprob] | None]  # per sampled sequence: its token's, if it asks for logprobs
+    prompt_logprobs: list[tuple[Sequence, dict[int, Logprob]]]  # (request, its next prompt token's), in order
+
+
 class Scheduler(ABC):
     """`max_num_batched_tokens` is the step's token budget. With `chunked_prefill` every request's share
     is cut to what the budget has left (a long prompt is prefilled over several steps, beside the
     running decodes); without it a request always computes all it lacks, and the budget bounds only
-    admission."""
+    admission. A token in `eos_token_ids` stops a request that does not ignore EOS."""
 
     name: str
 
     def __init__(
-        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
-        self.blocks = blocks
+        self.blocks = blocks  # the engine's
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -78,6 +94,53 @@ class Scheduler(ABC):
 
     @abstractmethod
     def schedule(self) -> ScheduledBatch: ...
+
+    def launched(self, batch: ScheduledBatch, sampled: list[Sequence], now: float) -> None:
+        """`batch` is queued on the device (at `now`): its new tokens count as computed, and the blocks they fill
+        with known tokens are registered for the prefix cache (a later step reads them after this one has written
+        them: the device runs steps in order); each of `sampled`, its rows in order, awaits its next token."""
+        for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+            seq.num_computed_tokens += T
+            self.blocks.commit(seq)
+        for row, seq in enumerate(sampled):
+            seq.num_pending += 1
+            seq.pending_row = row
+
+    def landed(self, step: StepOutput, now: float) -> list[Sequence]:
+        """A launched step's ids are on the host (at `now`): each sampled request still running takes its token
+        and its logprobs; one that stops is removed, its blocks freed, and the others register the block their
+        token filled -> the requests that took a token, in order (aborted ones, and ones that stopped while this
+        step was in flight, take none)."""
+        for seq, entry in step.prompt_logprobs:
+            seq.prompt_logprobs.append(entry)
+        took = []
+        for seq, token, entry in zip(step.sampled, step.tokens, step.logprobs, strict=True):
+            seq.num_pending -= 1
+            if seq.status is Status.FINISHED:
+                continue
+            seq.token_ids.append(token)
+            if entry is not None:
+                seq.logprobs.append(entry)
+            seq.metrics.token_times.append(now)
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                seq.metrics.finished_time = now
+                self.remove(seq)
+            else:
+                self.blocks.commit(seq)
+            took.append(seq)
+        return took
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not p.ignore_eos:
+            seq.finish_reason = "stop"
+        elif len(seq.token_ids) >= seq.max_len:
+            seq.finish_reason = "length"
 
     def _share(self, seq: Sequence, budget: int, computed: int | None = None) -> int:
         """New tokens for `seq` this step: all it lacks beyond `computed` (its own count by default), cut

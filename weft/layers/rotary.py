@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from weft.attention.base import CacheSlots
 from weft.layers import fused
 from weft.layers.norm import RMSNorm
 
@@ -40,12 +39,14 @@ def apply_rotary(
 
 
 def rotate_into_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheSlots,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    slot_mapping: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
     norms: tuple[RMSNorm, RMSNorm] | None = None,
 ) -> torch.Tensor:
-    """`apply_rotary`'s q and k, with k (rotated) and v [T_total, H_kv, D] stored at `cache`'s slots instead of
-    returned -> rotated q: the RoPE and the K/V write in one kernel (fused.rotary_store; where the kernels run)."""
-    return fused.rotary_store(q, k, v, cos, sin, cache.slot_mapping, cache.k_rows, cache.v_rows, *_weights(norms))
+    """`apply_rotary`'s q and k, with k (rotated) and v [T_total, H_kv, D] stored at rows slot_mapping [T_total]
+    of k_rows / v_rows [slots, H_kv, D] instead of returned -> rotated q: the RoPE and the K/V write in one kernel
+    (fused.rotary_store; where the kernels run)."""
+    return fused.rotary_store(q, k, v, cos, sin, slot_mapping, k_rows, v_rows, *_weights(norms))
 
 
 def _weights(norms: tuple[RMSNorm, RMSNorm] | None) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:

@@ -4,16 +4,18 @@ Parameter names follow HF's so weights map one to one, except the fused `qkv_pro
 (q, k, v) and `gate_up_proj` (gate, up), one matmul each (see weights.py). Under tensor
 parallelism (weft.distributed) a rank builds its slice: `local` is the slice's shape, and the
 o/down projections, the embedding and the logits meet the other ranks' slices in one collective each.
+The model calls attention through `Attention`, which every backend (weft.attention) and the piecewise
+graphs' cut (weft.inference.cuda_graphs) implement.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
 
-from weft.attention.base import AttentionBackend
+from weft.attention.base import CacheSlots
 from weft.config import ModelConfig
 from weft.distributed import SINGLE, TensorParallel
 from weft.layers import fused
@@ -23,6 +25,21 @@ from weft.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from weft.layers.rotary import RotaryEmbedding, apply_rotary, rotate_into_cache
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T_total, 1, D] of this step's positions
+StepT = TypeVar("StepT", contravariant=True)  # the per-step state the attention it is passed to takes
+
+
+class Attention(Protocol[StepT]):
+    """What a layer calls on attention, with the step's state `step`: where a kernel may store the layer's K/V
+    itself (`cache_slots`; then `attend` follows), or else `forward`, which stores k and v and attends."""
+
+    def cache_slots(self, layer: int, step: StepT) -> CacheSlots | None:
+        """Rows a kernel stores this step's K/V of `layer` at, or None (then `forward`)."""
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepT) -> torch.Tensor:
+        """q [T_total, H_q, D], k/v [T_total, H_kv, D] -> o [T_total, H_q, D]: k and v stored, then attention."""
+
+    def attend(self, layer: int, q: torch.Tensor, step: StepT) -> torch.Tensor:
+        """q [T_total, H_q, D] -> o [T_total, H_q, D], over K/V already stored at `cache_slots`."""
 
 
 class LlamaAttention(nn.Module):
@@ -38,7 +55,7 @@ class LlamaAttention(nn.Module):
         """RMSNorms over each head of q and of k before RoPE (Qwen3's); Llama has none."""
         return None
 
-    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend, step: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, attn: Attention[StepT], step: StepT) -> torch.Tensor:
         """x [T_total, E] -> [T_total, E]"""
         cfg = self.cfg
         heads = (cfg.H_q, cfg.H_kv, cfg.H_kv)
@@ -50,7 +67,8 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, k, *rope, self.head_norms(), kernels)
             o = attn.forward(self.layer, q, k, v, step)  # [T_total, H_q, D]
         else:  # RoPE's kernel stores k and v in the cache
-            o = attn.attend(self.layer, rotate_into_cache(q, k, v, *rope, cache, self.head_norms()), step)
+            q = rotate_into_cache(q, k, v, *rope, cache.slot_mapping, cache.k_rows, cache.v_rows, self.head_norms())
+            o = attn.attend(self.layer, q, step)
         return self.o_proj(o.flatten(1))
 
 
@@ -63,7 +81,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.E, cfg.intermediate, cfg.mlp_bias, tp)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn: AttentionBackend, step: Any
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn: Attention[StepT], step: StepT
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the last layer's output, residual: the residual stream before it (None at layer 0), both
         [T_total, E] -> (this layer's output, the stream before it): each add is the next norm's."""
@@ -85,7 +103,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.D, cfg.rope_theta, cfg.max_model_len)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, step: Any
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention[StepT], step: StepT
     ) -> torch.Tensor:
         """input_ids, positions [T_total] -> hidden [T_total, E]"""
         x, residual = self.embed_tokens(input_ids), None
@@ -108,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, step: Any
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention[StepT], step: StepT
     ) -> torch.Tensor:
         """input_ids, positions [T_total] -> hidden [T_total, E] (logits only where needed: `logits`)."""
         return self.model(input_ids, positions, attn, step)

@@ -23,9 +23,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from weft.inference.inputs import prompt_list
-from weft.inference.outputs import CompletionOutput, Logprob, RequestOutput
-from weft.serve.async_engine import AsyncEngine, Conversation, EngineDead, QueueFull
+from weft.inference.chat import MESSAGES
+from weft.inference.inputs import PROMPT, prompt_list
+from weft.inference.outputs import Logprob, RequestOutput
+from weft.serve.async_engine import AsyncEngine, EngineDead, QueueFull
+from weft.serve.messages import Conversation
 from weft.serve.metrics import ServerMetrics
 from weft.serve.protocol import (
     ChatCompletionChoice,
@@ -62,12 +64,11 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def refusal(e: Exception) -> APIError:
-    """The engine's ValueError / TypeError for a request, as a 400 naming the field when it says which."""
-    message = str(e)
-    field = message.split(" ", 1)[0].split("[", 1)[0].strip(":")
-    known = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
-    return APIError(400, message, param=field if field in known else None)
+def refusal(e: ValueError | TypeError, prompt_field: str = "prompt") -> APIError:
+    """The engine's ValueError / TypeError for a request, as a 400 naming the field its check names (the
+    prompt's field is `prompt_field`: a chat request's prompt is its messages)."""
+    param = getattr(e, "param", None)
+    return APIError(400, str(e), param=prompt_field if param == PROMPT else param)
 
 
 def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
@@ -122,7 +123,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
     def start(
         request: GenerationRequest, prompts: list[object], labels: list[str]
     ) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
-        """Checks that need no engine, then each prompt's stream (`labels` name them in errors)."""
+        """Checks that need no engine, then each prompt's stream (`labels` name them in errors): deltas when the
+        client streams, else one final output each."""
         if request.model != served_model_name:
             raise APIError(404, f"The model `{request.model}` does not exist (this server serves "
                                 f"`{served_model_name}`).", "NotFoundError", "model")
@@ -147,30 +149,30 @@ def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
             raise APIError(400, "prompt is empty: send text, token ids, or a list of them", param="prompt")
         labels = ["prompt"] if len(prompts) == 1 else [f"prompt {i}" for i in range(len(prompts))]
         rid, streams = start(request, prompts, labels)
-        firsts = await first_outputs(streams)
+        firsts = await first_outputs(raw, streams)
         if request.stream:
             return sse(completion_chunks(f"cmpl-{rid}", request, streams, firsts, metrics))
-        choices, usage, k = [], Usage(), request.num_logprobs()
-        for i, outs in enumerate(await collect(raw, streams, firsts)):
-            text, tokens, last = joined(outs, metrics, usage)
-            choices.append(CompletionChoice(index=i, text=text, finish_reason=last.finish_reason,
-                                            stop_reason=last.stop_reason, logprobs=completion_logprobs(outs, k),
-                                            **token_fields(request, outs[0], tokens)))
+        usage, k = Usage(), request.num_logprobs()
+        choices = [CompletionChoice(index=i, text=out.outputs[0].text, finish_reason=out.outputs[0].finish_reason,
+                                    stop_reason=out.outputs[0].stop_reason, logprobs=completion_logprobs([out], k),
+                                    **token_fields(request, out))
+                   for i, out in enumerate(finished(firsts, metrics, usage))]
         body = CompletionResponse(id=f"cmpl-{rid}", model=request.model, choices=choices, usage=usage.info())
         return JSONResponse(body.model_dump())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
-        rid, streams = start(request, [Conversation(request.messages)], ["messages"])
-        firsts = await first_outputs(streams)
+        rid, streams = start(request, [Conversation(request.messages)], [MESSAGES])
+        (first,) = await first_outputs(raw, streams, prompt_field=MESSAGES)
         if request.stream:
-            return sse(chat_chunks(f"chatcmpl-{rid}", request, streams[0], firsts[0], metrics))
-        outs, usage = (await collect(raw, streams, firsts))[0], Usage()
-        text, tokens, last = joined(outs, metrics, usage)
-        choice = ChatCompletionChoice(index=0, message=ChatMessage(role="assistant", content=text),
-                                      finish_reason=last.finish_reason, stop_reason=last.stop_reason,
-                                      logprobs=chat_logprobs(outs, request.num_logprobs()),
-                                      **token_fields(request, outs[0], tokens))
+            return sse(chat_chunks(f"chatcmpl-{rid}", request, streams[0], first, metrics))
+        usage = Usage()
+        (out,) = finished([first], metrics, usage)
+        c = out.outputs[0]
+        choice = ChatCompletionChoice(index=0, message=ChatMessage(role="assistant", content=c.text),
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                      logprobs=chat_logprobs([out], request.num_logprobs()),
+                                      **token_fields(request, out))
         body = ChatCompletionResponse(id=f"chatcmpl-{rid}", model=request.model, choices=[choice], usage=usage.info())
         return JSONResponse(body.model_dump())
 
@@ -180,43 +182,50 @@ def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
 # ---- one HTTP request's streams ------------------------------------------------------------------
 
 
-async def first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    """Each stream's first output; a refusal (or a full queue, a dead engine) closes them all and raises."""
-    got = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
-    problem = next((g for g in got if isinstance(g, BaseException)), None)
-    if problem is None:
-        return list(got)
-    await close(streams)
+async def first_outputs(
+    raw: Request, streams: list[AsyncIterator[RequestOutput]], prompt_field: str = PROMPT
+) -> list[RequestOutput]:
+    """Each stream's first output (a streaming request's first delta; else its one, final output). A refusal (or
+    a full queue, a dead engine) closes them all and raises its HTTP error at once; so does a client that hangs
+    up first, whose requests are aborted."""
+    firsts = [asyncio.ensure_future(anext(s)) for s in streams]
+    gone = asyncio.ensure_future(disconnected(raw))
+    try:
+        waiting = set(firsts)
+        while waiting:
+            done, waiting = await asyncio.wait(waiting | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
+                raise APIError(499, "the client closed the connection")  # never reaches it; logged by the server
+            waiting.discard(gone)
+            problem = next((t.exception() for t in done if t.exception() is not None), None)
+            if problem is not None:
+                raise http_error(problem, prompt_field)
+        return [t.result() for t in firsts]
+    except BaseException:
+        for t in firsts:
+            t.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)  # each stream has left its wait (and aborted)
+        await close(streams)
+        raise
+    finally:
+        gone.cancel()
+
+
+def http_error(problem: BaseException, prompt_field: str) -> BaseException:
+    """What a stream's first output raised, as the HTTP error it answers."""
     if isinstance(problem, ValueError | TypeError):
-        raise refusal(problem)
+        return refusal(problem, prompt_field)
     if isinstance(problem, QueueFull):
-        raise APIError(429, str(problem), "rate_limit_exceeded")
+        return APIError(429, str(problem), "rate_limit_exceeded")
     if isinstance(problem, EngineDead):
-        raise APIError(503, str(problem), "service_unavailable")
-    raise problem
+        return APIError(503, str(problem), "service_unavailable")
+    return problem
 
 
 async def close(streams: list[AsyncIterator[RequestOutput]]) -> None:
     """Stop each stream: a request that has not finished is aborted and its blocks freed."""
     for s in streams:
         await s.aclose()
-
-
-async def collect(raw: Request, streams: list, firsts: list[RequestOutput]) -> list[list[RequestOutput]]:
-    """Every output of every stream; a client that hangs up first has its requests aborted."""
-
-    async def rest(stream: AsyncIterator[RequestOutput], first: RequestOutput) -> list[RequestOutput]:
-        return [first] + ([o async for o in stream] if not first.finished else [])
-
-    work = asyncio.ensure_future(asyncio.gather(*(rest(s, f) for s, f in zip(streams, firsts, strict=True))))
-    gone = asyncio.ensure_future(disconnected(raw))
-    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if not work.done():
-        work.cancel()
-        await close(streams)
-        raise APIError(499, "the client closed the connection")  # never reaches it; logged by the server
-    gone.cancel()
-    return work.result()
 
 
 async def disconnected(raw: Request) -> None:
@@ -250,6 +259,7 @@ async def merged(streams: list, firsts: list[RequestOutput]) -> AsyncIterator[tu
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # no stream is still iterated when it is closed
         await close(streams)
 
 
@@ -297,13 +307,12 @@ def chat_logprobs(outs: list[RequestOutput], k: int | None) -> ChatLogprobs | No
     ])  # fmt: skip
 
 
-def joined(outs: list[RequestOutput], metrics: ServerMetrics, usage: Usage) -> tuple[str, list[int], CompletionOutput]:
-    """A finished request's pieces -> its text, its token ids and its last piece (with the finish reason);
-    counted in `usage` and the latency histograms."""
-    metrics.finished(outs[-1])
-    tokens = [t for o in outs for t in o.outputs[0].token_ids]
-    usage.add(outs[0], len(tokens))
-    return "".join(o.outputs[0].text for o in outs), tokens, outs[-1].outputs[0]
+def finished(outs: list[RequestOutput], metrics: ServerMetrics, usage: Usage) -> list[RequestOutput]:
+    """Finished requests' outputs (each whole), counted in `usage` and the latency histograms."""
+    for out in outs:
+        metrics.finished(out)
+        usage.add(out, len(out.outputs[0].token_ids))
+    return outs
 
 
 class Usage:
@@ -319,8 +328,11 @@ class Usage:
                          total_tokens=self.prompt + self.completion)
 
 
-def token_fields(request: GenerationRequest, first: RequestOutput, tokens: list[int]) -> dict[str, list[int]]:
-    return {"token_ids": tokens, "prompt_token_ids": first.prompt_token_ids} if request.return_token_ids else {}
+def token_fields(request: GenerationRequest, out: RequestOutput) -> dict[str, list[int]]:
+    """A finished choice's token ids and its prompt's, where the request asks for them (return_token_ids)."""
+    if not request.return_token_ids:
+        return {}
+    return {"token_ids": out.outputs[0].token_ids, "prompt_token_ids": out.prompt_token_ids}
 
 
 def sse(events: AsyncIterator[str]) -> StreamingResponse:

@@ -3,12 +3,11 @@
 The engine process owns the model, the tokenizer and the GPU: every call into the engine
 (checking and queueing a request, aborting one, stepping) runs there, between steps, and the
 event loop never waits on the GPU nor shares an interpreter lock with the engine's host work.
-Commands go down one pipe; each step's new tokens come back up another as one message of small
-tuples (a request's prompt ids only with its first piece, its timings only with its last), with
-a snapshot of the engine's counters for /metrics. A reader thread hands each message to the loop
-in one `call_soon_threadsafe`. Requests the engine refuses come back as their ValueError or
-TypeError before any work; if the engine process dies (a step raised, or it was killed), every
-request in flight gets EngineDead and the server reports itself unhealthy.
+Commands go down one pipe and each step's pieces come back up another, as the typed messages of
+weft.serve.messages; a reader thread hands each message to the loop in one `call_soon_threadsafe`.
+Requests the engine refuses come back as their ValueError or TypeError (with the field at fault)
+before any work; if the engine process dies (a step raised, or it was killed), every request in
+flight gets EngineDead and the server reports itself unhealthy.
 """
 
 from __future__ import annotations
@@ -18,11 +17,23 @@ import logging
 import multiprocessing
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
+from weft.inference.chat import chat_prompt
 from weft.inference.config import EngineConfig
-from weft.inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from weft.inference.outputs import CompletionOutput, EngineSnapshot, EngineStats, RequestOutput
 from weft.inference.params import RequestOutputKind, SamplingParams
+from weft.serve.messages import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    Conversation,
+    EngineFailed,
+    EngineReady,
+    Piece,
+    Refusal,
+    Shutdown,
+    StepMessage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,44 +47,6 @@ class QueueFull(Exception):
 
 class EngineDead(Exception):
     """The engine process has stopped: a step raised, it was killed, or the server is shutting down."""
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """A chat's messages, rendered through the chat template in the engine process (the tokenizer's home)."""
-
-    messages: object
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the engine process reports once its engine is built."""
-
-    model_name: str
-    max_model_len: int
-    num_blocks: int
-
-
-@dataclass(frozen=True)
-class EngineStatsSnapshot:
-    """The engine's gauges and counters as of its last message (GET /metrics)."""
-
-    running: int = 0
-    waiting: int = 0
-    blocks_used: int = 0
-    blocks_total: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    steps: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-
-# A piece of one request's output, as the engine process sends it: (request id, new token ids, new text,
-# finish reason, stop reason, prompt ids | None, metrics | None, their logprobs | None), or
-# (request id, exception) for a request the engine refused.
-Piece = tuple
 
 
 class AsyncEngine:
@@ -92,14 +65,14 @@ class AsyncEngine:
         try:
             first = self._outputs_out.recv()
         except EOFError:
-            first = f"the engine process exited with {self.process.exitcode} before its engine was built"
-        if not isinstance(first, EngineInfo):
+            first = EngineFailed(f"the engine process exited with {self.process.exitcode} before its engine was built")
+        if not isinstance(first, EngineReady):
             self.process.join(STOP_WAIT_S)
-            raise ValueError(first)
+            raise ValueError(first.reason)
         self.info = first
-        self.stats = EngineStatsSnapshot(blocks_total=first.num_blocks)
+        self.snapshot = EngineSnapshot(0, 0, 0, first.num_blocks, EngineStats())  # as of the engine's last message
         self.streams: dict[str, asyncio.Queue] = {}  # the event loop's alone
-        self.prompts: dict[str, list[int]] = {}  # each streaming request's prompt ids, from its first piece
+        self.prompts: dict[str, list[int]] = {}  # each unfinished request's prompt ids, from its first piece
         self.sent = 0  # requests sent to the engine and not yet seen there (loop side)
         self.dead: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -114,7 +87,7 @@ class AsyncEngine:
 
     def stop(self) -> None:
         self.dead = "the server stopped it"
-        self._send(None)
+        self._send(Shutdown())
         self.process.join(STOP_WAIT_S)
         if self.process.is_alive():
             self.process.kill()
@@ -126,34 +99,35 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt: object, params: SamplingParams, label: str = "prompt"
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine makes them (DELTA: each holds its step's new tokens).
+        """The request's outputs as the engine makes them, as `params.output_kind` says (DELTA: each holds its
+        step's new tokens; FINAL_ONLY: one, the whole completion). Outputs before the last carry no metrics.
 
         The first `__anext__` raises the engine's own ValueError / TypeError for a request it refuses,
         QueueFull or EngineDead. Leaving the iteration early (a client gone) aborts the request.
         """
         if not self.running:
             raise EngineDead(f"the engine process is not running: {self.dead}")
-        waiting = self.stats.waiting + self.sent
+        waiting = self.snapshot.num_waiting + self.sent
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
             raise QueueFull(f"{waiting} requests are waiting, the most this server queues (--max-queued-requests)")
         stream: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = stream
         self.sent += 1
-        self._send(("add", request_id, prompt, params, label))
+        self._send(AddRequest(request_id, prompt, params, label))
         finished, held = False, None
         try:
             while True:
                 item, held = (held, None) if held is not None else (await stream.get(), None)
                 if isinstance(item, BaseException):
                     raise item
-                # a consumer that fell behind the engine takes every output waiting as one (deltas joined, else
-                # the newest): a chunk costs the server the same whatever it carries, so it catches up
+                # a consumer that fell behind the engine takes every output waiting as one (deltas joined, else the
+                # newest): a chunk costs the server the same whatever it carries, so it catches up
                 while not item.finished and not stream.empty():
                     later = stream.get_nowait()
                     if isinstance(later, BaseException):
                         held = later
                         break
-                    item = joined(item, later) if params.output_kind == RequestOutputKind.DELTA else later
+                    item = joined(item, later) if params.output_kind is RequestOutputKind.DELTA else later
                 finished = item.finished
                 yield item
                 if finished:
@@ -162,33 +136,33 @@ class AsyncEngine:
             self.streams.pop(request_id, None)
             self.prompts.pop(request_id, None)
             if not finished and self.running:
-                self._send(("abort", request_id))
+                self._send(AbortRequest(request_id))
 
-    def _send(self, command: object) -> None:
+    def _send(self, command: Command) -> None:
         with self._send_lock:  # the loop and stop() may both send
             try:
                 self._commands_in.send(command)
             except (BrokenPipeError, OSError):
                 pass  # the engine is gone; the reader reports it
 
-    def _deliver(self, message: tuple[list[Piece], EngineStatsSnapshot, int]) -> None:
-        """On the loop: each piece into its request's stream, as a RequestOutput."""
-        pieces, self.stats, admitted = message
-        self.sent -= admitted
-        for piece in pieces:
-            stream = self.streams.get(piece[0])
+    def _deliver(self, message: StepMessage) -> None:
+        """On the loop: each refusal and piece into its request's stream (a piece as a RequestOutput)."""
+        self.snapshot = message.snapshot
+        self.sent -= message.admitted
+        for refusal in message.refusals:
+            stream = self.streams.get(refusal.request_id)
+            if stream is not None:
+                stream.put_nowait(refusal.error())
+        for piece in message.pieces:
+            stream = self.streams.get(piece.request_id)
             if stream is None:
                 continue
-            if len(piece) == 2:
-                stream.put_nowait(piece[1])
-                continue
-            rid, token_ids, text, finish_reason, stop_reason, prompt_ids, metrics, logprobs = piece
-            if prompt_ids is not None:
-                self.prompts[rid] = prompt_ids
-            completion = CompletionOutput(0, text, token_ids, finish_reason, stop_reason, logprobs)
-            finished = finish_reason is not None
-            stream.put_nowait(RequestOutput(rid, None, self.prompts.get(rid, []), [completion], finished,
-                                            metrics if metrics is not None else _NO_METRICS))
+            if piece.prompt_token_ids is not None:
+                self.prompts[piece.request_id] = piece.prompt_token_ids
+            completion = CompletionOutput(0, piece.text, piece.token_ids, piece.finish_reason, piece.stop_reason,
+                                          piece.logprobs)
+            stream.put_nowait(RequestOutput(piece.request_id, None, self.prompts[piece.request_id], [completion],
+                                            piece.finish_reason is not None, piece.metrics))
 
     def _die(self, reason: str) -> None:
         """On the loop: the engine is gone; every request still streaming gets EngineDead."""
@@ -205,8 +179,8 @@ class AsyncEngine:
                 self.process.join(1.0)
                 reason = f"it exited with {self.process.exitcode}"
                 break
-            if isinstance(message, str):  # the engine's last words
-                reason = message
+            if isinstance(message, EngineFailed):  # the engine's last words
+                reason = message.reason
                 break
             self.loop.call_soon_threadsafe(self._deliver, message)
         if self.dead is not None:  # stopped on purpose
@@ -216,9 +190,6 @@ class AsyncEngine:
             self.loop.call_soon_threadsafe(self._die, reason)
         except RuntimeError:  # the event loop is gone too
             pass
-
-
-_NO_METRICS = RequestMetrics(0.0)  # pieces before the last carry no timings
 
 
 def joined(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -236,59 +207,56 @@ def joined(first: RequestOutput, later: RequestOutput) -> RequestOutput:
 
 def engine_main(config: EngineConfig, commands, outputs) -> None:
     """The engine process: build the engine, then run commands and steps until told to stop."""
-    from weft.inference.chat import chat_prompt
     from weft.inference.engine import LLMEngine
 
     try:
         engine = LLMEngine(config)
     except BaseException as e:  # noqa: BLE001 (whatever it is, the server must say it and exit)
-        outputs.send(f"{type(e).__name__}: {e}")
+        outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
-    outputs.send(EngineInfo(engine.model_name, engine.config.max_model_len, engine.pool.num_blocks))
+    outputs.send(EngineReady(engine.model_name, engine.config.max_model_len, engine.pool.num_blocks))
     started: set[str] = set()  # requests whose prompt ids went out with their first piece
     try:
         while True:
             if not engine.has_unfinished_requests() and not commands.poll(IDLE_WAIT_S):
                 continue
-            pieces: list[Piece] = []
-            admitted = 0
+            refusals, admitted = [], 0
             while commands.poll():
                 command = commands.recv()
-                if command is None:
+                if isinstance(command, Shutdown):
                     return
-                if command[0] == "abort":
-                    engine.abort_request(command[1])
-                    started.discard(command[1])
+                if isinstance(command, AbortRequest):
+                    engine.abort_request(command.request_id)
+                    started.discard(command.request_id)
                     continue
-                _, rid, prompt, params, label = command
                 admitted += 1
                 try:
-                    if isinstance(prompt, Conversation):
-                        prompt = chat_prompt(engine.tokenizer, prompt.messages, engine.model_name)
-                    engine.enqueue(engine.make_request(rid, prompt, params, label=label))
+                    _add(engine, command)
                 except (ValueError, TypeError) as e:  # refused before any work
-                    pieces.append((rid, e))
+                    refusals.append(Refusal.of(command.request_id, e))
+            pieces = []
             if engine.has_unfinished_requests():
                 for out in engine.step():
-                    c = out.outputs[0]
                     first = out.request_id not in started
                     started.add(out.request_id)
                     if out.finished:
                         started.discard(out.request_id)
-                    pieces.append((out.request_id, c.token_ids, c.text, c.finish_reason, c.stop_reason,
-                                   out.prompt_token_ids if first else None, out.metrics if out.finished else None,
-                                   c.logprobs))
-            outputs.send((pieces, _snapshot(engine), admitted))
+                    pieces.append(_piece(out, first))
+            outputs.send(StepMessage(pieces, refusals, engine.snapshot(), admitted))
     except BaseException as e:  # noqa: BLE001 (a step raised: the engine's state is no longer trusted)
         logger.exception("the engine process is stopping: a step raised")
-        outputs.send(f"{type(e).__name__}: {e}")
+        outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
 
 
-def _snapshot(engine) -> EngineStatsSnapshot:
-    scheduler, stats = engine.scheduler, engine.stats
-    blocks = scheduler.blocks
-    return EngineStatsSnapshot(
-        len(scheduler.running), len(scheduler.waiting), blocks.num_blocks - blocks.num_free, blocks.num_blocks,
-        stats.num_preemptions, stats.prefill_tokens, stats.decode_tokens, stats.steps, stats.prefix_cache_queries,
-        stats.prefix_cache_hits,
-    )
+def _add(engine, command: AddRequest) -> None:
+    """Queue the request (a conversation through the chat template first)."""
+    prompt = command.prompt
+    if isinstance(prompt, Conversation):
+        prompt = chat_prompt(engine.tokenizer, prompt.messages, engine.model_name)
+    engine.add_request(command.request_id, prompt, command.params, label=command.label)
+
+
+def _piece(out: RequestOutput, first: bool) -> Piece:
+    c = out.outputs[0]
+    return Piece(out.request_id, c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs,
+                 out.prompt_token_ids if first else None, out.metrics if out.finished else None)

@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (GET /metrics), vLLM's names under a `weft:` prefix.
 
-Gauges and counters come from the engine process's latest snapshot when scraped; the latency
-histograms are fed as each request finishes, from the instants its RequestMetrics holds.
+Gauges and counters come from the engine process's latest snapshot (LLMEngine.snapshot) when scraped;
+the latency histograms are fed as each request finishes, from the instants its RequestMetrics holds.
 """
 
 from __future__ import annotations
@@ -23,17 +23,19 @@ class EngineCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        s = self.engine.stats
+        snap = self.engine.snapshot
+        s = snap.stats
         gauges = {
-            "num_requests_running": ("Requests in the running batch.", s.running),
-            "num_requests_waiting": ("Requests waiting to be scheduled.", s.waiting),
-            "kv_blocks_used": ("KV pool blocks held by requests.", s.blocks_used),
-            "kv_blocks_total": ("KV pool blocks (N).", s.blocks_total),
+            "num_requests_running": ("Requests in the running batch.", snap.num_running),
+            "num_requests_waiting": ("Requests waiting to be scheduled.", snap.num_waiting),
+            "kv_blocks_used": ("KV pool blocks held by requests.", snap.blocks_used),
+            "kv_blocks_total": ("KV pool blocks (N).", snap.blocks_total),
         }
         counters = {
-            "num_preemptions": ("Requests preempted (recomputed later).", s.preemptions),
-            "prompt_tokens": ("Prefill tokens computed.", s.prompt_tokens),
-            "generation_tokens": ("Decode tokens computed.", s.generation_tokens),
+            "num_preemptions": ("Requests preempted (recomputed later).", s.num_preemptions),
+            "prompt_tokens": ("Prompt tokens of requests that got their first token.", s.prompt_tokens),
+            "generation_tokens": ("Tokens generated.", s.generation_tokens),
+            "recomputed_tokens": ("Tokens computed again after a preemption.", s.recomputed_tokens),
             "engine_steps": ("Engine steps run.", s.steps),
             "prefix_cache_queries": ("Prompt tokens of admitted requests.", s.prefix_cache_queries),
             "prefix_cache_hits": ("Of those, tokens found in the prefix cache.", s.prefix_cache_hits),
@@ -54,8 +56,9 @@ class ServerMetrics:
         self.e2e = Histogram("weft:e2e_request_latency_seconds", "Arrival to last token.", **hist)
 
     def finished(self, out: RequestOutput) -> None:
+        """A finished request's latencies into the histograms."""
         m = out.metrics
-        if not m.token_times:
+        if m is None or not m.token_times:
             return
         self.ttft.observe(m.ttft)
         self.e2e.observe(m.e2e)

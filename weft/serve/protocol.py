@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from weft.errors import ParamTypeError, ParamValueError
 from weft.inference.params import RequestOutputKind, SamplingParams
 
 # field -> the values that mean it is not used
@@ -57,7 +58,8 @@ class GenerationRequest(BaseModel):
         return next((k for k, off in UNSUPPORTED.items() if k in values and values[k] not in off), None)
 
     def sampling_params(self) -> SamplingParams:
-        """ValueError / TypeError from SamplingParams' own checks for a bad value."""
+        """The request's SamplingParams: deltas for a stream, else the final output alone; ValueError / TypeError
+        from SamplingParams' own checks for a bad value."""
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else self.default_max_tokens(),
             temperature=self.temperature,
@@ -67,7 +69,7 @@ class GenerationRequest(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.num_logprobs(),
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
     def default_max_tokens(self) -> int | None:
@@ -104,10 +106,10 @@ class ChatCompletionRequest(GenerationRequest):
 
     def num_logprobs(self) -> int | None:
         if not isinstance(self.logprobs, bool):
-            raise TypeError(f"logprobs must be a bool in a chat request, got {self.logprobs!r}")
+            raise ParamTypeError(f"logprobs must be a bool in a chat request, got {self.logprobs!r}", "logprobs")
         if not self.logprobs:
             if self.top_logprobs not in (None, 0):
-                raise ValueError("top_logprobs needs logprobs: true")
+                raise ParamValueError("top_logprobs needs logprobs: true", "top_logprobs")
             return None
         return 0 if self.top_logprobs is None else self.top_logprobs
 
