@@ -79,16 +79,18 @@ def test_graphs_match_eager(reference, scheduler, attention, mode):
     assert outputs[True] == outputs[False]
 
 
-def test_the_cut_leaves_attentions_inputs_in_its_buffers_by_either_path():
+def test_the_cut_leaves_attentions_inputs_in_its_buffers_by_either_path(device):
     """The piecewise graphs' cut, in its warm-up form (no graphs): storing k and v at its cache_slots from RoPE's
-    kernel and attending leaves the very bits that rotating q and k and calling its forward does."""
+    kernel and attending leaves the very bits that rotating q and k and calling its forward does (the kernels:
+    Triton's interpreter on the CPU)."""
     T, H_q, H_kv, D = 5, 4, 2, 16
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(T, h, D, generator=g) for h in (H_q, H_kv, H_kv))
-    cos, sin = RotaryEmbedding(D, 1e4, 64)(torch.randint(0, 64, (T,), generator=g), torch.float32)
+    q, k, v = (torch.randn(T, h, D, generator=g).to(device) for h in (H_q, H_kv, H_kv))
+    positions = torch.randint(0, 64, (T,), generator=g).to(device)
+    cos, sin = RotaryEmbedding(D, 1e4, 64).to(device)(positions, torch.float32)
     left = []
     for path in ("cache_slots", "forward"):
-        buffers = AttentionBuffers.allocate(8, H_q, H_kv, D, torch.float32, torch.device("cpu"))
+        buffers = AttentionBuffers.allocate(8, H_q, H_kv, D, torch.float32, device)
         cut = AttentionCut(buffers.first(T), None)
         if path == "cache_slots":
             slots = cut.cache_slots(0, None)
