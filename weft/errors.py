@@ -13,9 +13,6 @@ class ParamError(Exception):
         super().__init__(message)
         self.param = param
 
-    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
-        return type(self), (str(self), self.param)  # pickled whole: message and param
-
 
 class ParamValueError(ParamError, ValueError):
     """A value out of range, named by its field."""

@@ -16,6 +16,7 @@ from weft.inference.cuda_graphs import (
     graph_batch_sizes,
     graph_token_counts,
 )
+from weft.layers.norm import RMSNorm
 from weft.layers.rotary import RotaryEmbedding, apply_rotary, rotate_into_cache
 
 pytestmark = pytest.mark.correctness
@@ -79,7 +80,8 @@ def test_graphs_match_eager(reference, scheduler, attention, mode):
     assert outputs[True] == outputs[False]
 
 
-def test_the_cut_leaves_attentions_inputs_in_its_buffers_by_either_path(device):
+@pytest.mark.parametrize("with_norms", [False, True], ids=["rope", "norm-rope"])
+def test_the_cut_leaves_attentions_inputs_in_its_buffers_by_either_path(device, with_norms):
     """The piecewise graphs' cut, in its warm-up form (no graphs): storing k and v at its cache_slots from RoPE's
     kernel and attending leaves the very bits that rotating q and k and calling its forward does (the kernels:
     Triton's interpreter on the CPU)."""
@@ -88,16 +90,22 @@ def test_the_cut_leaves_attentions_inputs_in_its_buffers_by_either_path(device):
     q, k, v = (torch.randn(T, h, D, generator=g).to(device) for h in (H_q, H_kv, H_kv))
     positions = torch.randint(0, 64, (T,), generator=g).to(device)
     cos, sin = RotaryEmbedding(D, 1e4, 64).to(device)(positions, torch.float32)
+    norms = None
+    if with_norms:  # Qwen3's q and k norms, in the same kernel
+        norms = (RMSNorm(D, 1e-6).to(device), RMSNorm(D, 1e-6).to(device))
+        with torch.no_grad():
+            for norm in norms:
+                norm.weight.copy_(1 + torch.randn(D, generator=g))
     left = []
     for path in ("cache_slots", "forward"):
         buffers = AttentionBuffers.allocate(8, H_q, H_kv, D, torch.float32, device)
         cut = AttentionCut(buffers.first(T), None)
         if path == "cache_slots":
             slots = cut.cache_slots(0, None)
-            out = cut.attend(0, rotate_into_cache(q, k, v, cos, sin, slots.slot_mapping, slots.k_rows, slots.v_rows),
-                             None)
+            q_rotated = rotate_into_cache(q, k, v, cos, sin, slots.slot_mapping, slots.k_rows, slots.v_rows, norms)
+            out = cut.attend(0, q_rotated, None)
         else:
-            out = cut.forward(0, *apply_rotary(q, k, cos, sin, kernels=True), v, None)
+            out = cut.forward(0, *apply_rotary(q, k, cos, sin, norms, kernels=True), v, None)
         assert out.data_ptr() == buffers.out.data_ptr()  # the eager attention between the replays fills it
         left.append([buffers.q[:T].clone(), buffers.k[:T].clone(), buffers.v[:T].clone()])
     assert all(torch.equal(a, b) for a, b in zip(*left, strict=True))

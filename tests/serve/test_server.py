@@ -219,6 +219,7 @@ BAD = [
     ("completions", {"model": NAME, "prompt": [1, True]}, 400, "prompt"),
     ("completions", {"model": NAME, "prompt": [1] * 2048}, 400, "prompt"),  # max_model_len 2048: no room
     ("chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi " * 3000}]}, 400, "messages"),
     ("chat/completions", {"model": NAME, "messages": "hi"}, 400, "messages"),
     ("chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
     ("chat/completions", {"model": NAME}, 400, "messages"),
@@ -379,12 +380,23 @@ def test_prompt_and_generation_tokens_are_counted_once_each(tiny_server):
     generation_tokens its tokens; the engine's snapshot is read whole, once per message."""
     url = tiny_server
     before = {name: metric(url, f"weft:{name}_total") for name in ("prompt_tokens", "generation_tokens")}
-    for stream in (False, True):
-        body = {"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True, "stream": stream}
+    hits = metric(url, "weft:prefix_cache_hits_total")
+    for stream in (False, True):  # the second finds the first's two full blocks in the prefix cache
+        body = {"prompt": [11, 12, 13, 14, 15, 16, 17, 18, 19], "max_tokens": 4, "ignore_eos": True, "stream": stream}
         assert post(url, "completions", body).status_code == 200
     assert wait_for_metric(url, "weft:generation_tokens_total", before["generation_tokens"] + 8) == \
         before["generation_tokens"] + 8
-    assert metric(url, "weft:prompt_tokens_total") == before["prompt_tokens"] + 6
+    assert metric(url, "weft:prompt_tokens_total") == before["prompt_tokens"] + 18  # 10 computed
+    assert metric(url, "weft:prefix_cache_hits_total") == hits + 8
+
+
+def test_a_list_of_prompts_names_its_first_refused_prompt(tiny_server):
+    """Two of three prompts refused in one step: the 400 names the first of them, in the prompts' order."""
+    response = post(tiny_server, "completions", {"prompt": [[1, 2], [1, 10**8], [1] * 300], "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"].startswith("prompt 1 ") and error["param"] == "prompt"
+    assert wait_for_metric(tiny_server, "weft:kv_blocks_used", 0) == 0
 
 
 def test_a_client_that_hangs_up_on_a_whole_completion_has_it_aborted(tiny):

@@ -6,21 +6,30 @@ same padded SDPA as the contiguous backend.
 
 from __future__ import annotations
 
+from typing import Protocol, TypeVar
+
 import torch
 
-from weft.attention.base import AttentionBackend, AttentionMetadata, CacheSlots, StepT
+from weft.attention.base import AttentionBackend, AttentionMetadata, CacheSlots
 from weft.attention.padded import PaddedStep, attend_padded, plan_padded
 from weft.config import ModelConfig
 
 
-class PagedSlab(AttentionBackend[StepT]):
+class WithMeta(Protocol):
+    meta: AttentionMetadata
+
+
+SlabStepT = TypeVar("SlabStepT", bound=WithMeta)
+
+
+class PagedSlab(AttentionBackend[SlabStepT]):
     """A backend over the paged slab; its step state holds the step's `meta` (the slots)."""
 
     @staticmethod
     def slab_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, cfg.L, num_blocks, block_size, cfg.H_kv, cfg.D)
 
-    def cache_slots(self, layer: int, step: StepT) -> CacheSlots:
+    def cache_slots(self, layer: int, step: SlabStepT) -> CacheSlots:
         """Layer `layer`'s K and V as rows [N * P, H_kv, D], one per slot (views of the slab)."""
         k_rows, v_rows = (self.kv_cache[i, layer].flatten(0, 1) for i in (0, 1))
         return CacheSlots(step.meta.slot_mapping, k_rows, v_rows)

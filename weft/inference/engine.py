@@ -219,7 +219,7 @@ class LLMEngine:
         while len(self.in_flight) > keep:
             step = self.in_flight[0].land(decode)
             self.in_flight.popleft()
-            for seq in self.scheduler.landed(step, time.perf_counter()):  # the device is done with it
+            for seq in self.scheduler.landed(step):
                 self.stats.generation_tokens += 1
                 if len(seq.token_ids) == seq.num_prompt_tokens + 1:
                     self.stats.prompt_tokens += seq.num_prompt_tokens
@@ -245,8 +245,8 @@ class LLMEngine:
         if seq.detokenizer is not None:
             delta = seq.detokenizer.add(seq.token_ids[-1:], final=finished)
             text = delta if is_delta else seq.detokenizer.text
-        elif self.tokenizer is not None:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        elif self.tokenizer is not None:  # FINAL_ONLY, finished: its text decoded as a stream's would be, at once
+            text = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids).add(ids, final=True)
         else:
             text = ""
         completion = CompletionOutput(0, text, ids, seq.finish_reason, seq.stop_reason, logprobs)

@@ -11,6 +11,7 @@ landed yet (the engine's overlap) reads it on the device, from the last step's i
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 
@@ -97,7 +98,8 @@ class StepLists:
 
     layout: StepLayout
     parts: tuple[Iterable[int], ...]  # input ids, positions, query starts, context lengths, logit rows, block
-    # tables (B rows of `width` blocks), pending rows, their rows in the last step's ids
+    # tables (B rows of `width` blocks; an iterator, which packing reads once), pending rows, their rows in the
+    # last step's ids
     num_new_tokens: list[int]  # T of each request
     sampling: list[Sequence]  # the B' sequences that get a next token
     prompt_targets: list[int]  # the next token of each prompt row
@@ -130,7 +132,7 @@ class Launched:
         text, for their decoded tokens; None: no text)."""
         if self.copied is not None:
             self.copied.synchronize()
-        return StepOutput(self.sampled, self.host.tolist(),
+        return StepOutput(time.perf_counter(), self.sampled, self.host.tolist(),
                           [as_dict(e, decode) if e is not None else None for e in self.logprobs],
                           [(seq, as_dict(e, decode)) for seq, e in self.prompt_logprobs])
 

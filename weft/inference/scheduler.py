@@ -54,6 +54,7 @@ class ScheduledBatch:
 class StepOutput:
     """What a launched step gives back once its sampled ids are on the host."""
 
+    landed_at: float  # time.perf_counter once the ids were on the host: the device was done with the step
     sampled: list[Sequence]  # the sequences that got a next token, in the order of their rows
     tokens: list[int]  # those tokens
     logprobs: list[dict[int, Logprob] | None]  # per sampled sequence: its token's, if it asks for logprobs
@@ -70,7 +71,7 @@ class Scheduler(ABC):
 
     def __init__(
         self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool,
-        eos_token_ids: frozenset[int] = frozenset(),
+        eos_token_ids: frozenset[int],
     ) -> None:
         self.blocks = blocks  # the engine's
         self.max_num_seqs = max_num_seqs
@@ -108,8 +109,8 @@ class Scheduler(ABC):
             seq.num_pending += 1
             seq.pending_row = row
 
-    def landed(self, step: StepOutput, now: float) -> list[Sequence]:
-        """A launched step's ids are on the host (at `now`): each sampled request still running takes its token
+    def landed(self, step: StepOutput) -> list[Sequence]:
+        """A launched step's ids are on the host: each sampled request still running takes its token
         and its logprobs; one that stops is removed, its blocks freed, and the others register the block their
         token filled -> the requests that took a token, in order (aborted ones, and ones that stopped while this
         step was in flight, take none)."""
@@ -123,10 +124,10 @@ class Scheduler(ABC):
             seq.token_ids.append(token)
             if entry is not None:
                 seq.logprobs.append(entry)
-            seq.metrics.token_times.append(now)
+            seq.metrics.token_times.append(step.landed_at)
             self._check_stop(seq, token)
             if seq.finish_reason is not None:
-                seq.metrics.finished_time = now
+                seq.metrics.finished_time = step.landed_at
                 self.remove(seq)
             else:
                 self.blocks.commit(seq)

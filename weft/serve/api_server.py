@@ -64,7 +64,7 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def refusal(e: ValueError | TypeError, prompt_field: str = "prompt") -> APIError:
+def refusal(e: ValueError | TypeError, prompt_field: str = PROMPT) -> APIError:
     """The engine's ValueError / TypeError for a request, as a 400 naming the field its check names (the
     prompt's field is `prompt_field`: a chat request's prompt is its messages)."""
     param = getattr(e, "param", None)
@@ -156,7 +156,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
         choices = [CompletionChoice(index=i, text=out.outputs[0].text, finish_reason=out.outputs[0].finish_reason,
                                     stop_reason=out.outputs[0].stop_reason, logprobs=completion_logprobs([out], k),
                                     **token_fields(request, out))
-                   for i, out in enumerate(finished(firsts, metrics, usage))]
+                   for i, out in enumerate(await finished(streams, firsts, metrics, usage))]
         body = CompletionResponse(id=f"cmpl-{rid}", model=request.model, choices=choices, usage=usage.info())
         return JSONResponse(body.model_dump())
 
@@ -167,7 +167,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
         if request.stream:
             return sse(chat_chunks(f"chatcmpl-{rid}", request, streams[0], first, metrics))
         usage = Usage()
-        (out,) = finished([first], metrics, usage)
+        (out,) = await finished(streams, [first], metrics, usage)
         c = out.outputs[0]
         choice = ChatCompletionChoice(index=0, message=ChatMessage(role="assistant", content=c.text),
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -197,7 +197,7 @@ async def first_outputs(
             if gone in done:
                 raise APIError(499, "the client closed the connection")  # never reaches it; logged by the server
             waiting.discard(gone)
-            problem = next((t.exception() for t in done if t.exception() is not None), None)
+            problem = next((t.exception() for t in firsts if t in done and t.exception() is not None), None)
             if problem is not None:
                 raise http_error(problem, prompt_field)
         return [t.result() for t in firsts]
@@ -307,8 +307,12 @@ def chat_logprobs(outs: list[RequestOutput], k: int | None) -> ChatLogprobs | No
     ])  # fmt: skip
 
 
-def finished(outs: list[RequestOutput], metrics: ServerMetrics, usage: Usage) -> list[RequestOutput]:
-    """Finished requests' outputs (each whole), counted in `usage` and the latency histograms."""
+async def finished(
+    streams: list[AsyncIterator[RequestOutput]], outs: list[RequestOutput], metrics: ServerMetrics, usage: Usage
+) -> list[RequestOutput]:
+    """Finished requests' outputs (each whole, the last of its stream, which is closed now), counted in `usage`
+    and the latency histograms."""
+    await close(streams)
     for out in outs:
         metrics.finished(out)
         usage.add(out, len(out.outputs[0].token_ids))
@@ -319,8 +323,8 @@ class Usage:
     def __init__(self) -> None:
         self.prompt = self.completion = 0
 
-    def add(self, first: RequestOutput, completion_tokens: int) -> None:
-        self.prompt += len(first.prompt_token_ids)
+    def add(self, out: RequestOutput, completion_tokens: int) -> None:
+        self.prompt += len(out.prompt_token_ids)
         self.completion += completion_tokens
 
     def info(self) -> UsageInfo:
