@@ -12,6 +12,7 @@ _EXPORTS = {
     "EngineConfig": "weft.inference.config",
     "SamplingParams": "weft.inference.params",
     "RequestOutputKind": "weft.inference.params",
+    "StructuredOutputsParams": "weft.inference.structured",
     "RequestOutput": "weft.inference.outputs",
     "CompletionOutput": "weft.inference.outputs",
     "RequestMetrics": "weft.inference.outputs",

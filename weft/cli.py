@@ -1,7 +1,7 @@
 """`weft`: the command line.
 
     weft check [--model M] [--max-tokens N] [--device cpu|cuda] [--dtype float32]
-    weft serve MODEL [--attention A --scheduler S --block-size P ... --host H --port N]
+    weft serve MODEL [--attention A --scheduler S --block-size P ... --host H --port N --api-key K]
     weft bench serve --base-url URL --model NAME [--num-prompts N --request-rate R ...]
 
 `check` is the token-exact gate against HuggingFace `generate`: one line per prompt per case,
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -24,6 +25,12 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def api_key(text: str) -> str:
+    if not text:  # `--api-key "$UNSET"` must not serve without a key
+        raise argparse.ArgumentTypeError("must not be empty (leave it out to serve without a key)")
+    return text
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,7 +147,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import uvicorn
 
     from weft.inference.config import EngineConfig
-    from weft.serve.api_server import build_app
+    from weft.serve.api_server import MAX_REQUEST_BODY_BYTES, build_app
     from weft.serve.async_engine import AsyncEngine
 
     options = {f.name: getattr(args, f.name) for f in engine_fields()}
@@ -149,7 +156,8 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         engine = AsyncEngine(config, args.max_queued_requests)  # the engine is built in its own process
     except (ValueError, TypeError) as e:
         parser.error(str(e))
-    app = build_app(engine, args.served_model_name or str(args.model))
+    app = build_app(engine, args.served_model_name or str(args.model), api_key=args.api_key,
+                    max_request_body_bytes=args.max_request_body_bytes or MAX_REQUEST_BODY_BYTES)
     print(f"weft: serving {args.model} at http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
@@ -170,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--served-model-name", help="the name clients use (default: MODEL as given)")
     server.add_argument("--max-queued-requests", type=positive_int,
                         help="waiting requests beyond which new ones get 429 (default: no bound)")
+    server.add_argument("--api-key", type=api_key, default=os.environ.get("WEFT_API_KEY") or None,
+                        help="clients must send `Authorization: Bearer KEY` to /v1/..., /tokenize and /detokenize "
+                             "(default: $WEFT_API_KEY; unset: no key)")
+    server.add_argument("--max-request-body-bytes", type=positive_int,
+                        help="larger request bodies get 400, unread (default: 16 MiB)")
     server.set_defaults(run=serve, parser=server)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -101,8 +101,8 @@ def test_the_engine_reports_its_hit_rate_and_aborts_release_only_their_reference
         engine.add_request("sharer", list(range(1, 10)) + [20], greedy)
         engine.add_request("other", list(range(1, 10)), greedy)
         engine.step()
-        shared = engine.requests["sharer"].block_table[:2]
-        assert engine.requests["other"].block_table[:2] == shared
+        shared = engine.requests["sharer"][0].block_table[:2]
+        assert engine.requests["other"][0].block_table[:2] == shared
         assert engine.stats.prefix_cache_hits == 16 and engine.stats.prefix_cache_hit_rate == 16 / 28
         engine.abort_request("sharer")
         assert [engine.blocks.refs[b] for b in shared] == [1, 1]  # "other" still reads them

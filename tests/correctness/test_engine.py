@@ -57,7 +57,7 @@ def test_interleaved_add_step_abort_match_hf_and_free_blocks(tiny):
             engine.add_request("late", ref.prompts[2], greedy(n, ignore_eos=True, output_kind=final))
         if step == 3:
             held = blocks.num_free
-            doomed_blocks = len(engine.requests["doomed"].block_table)
+            doomed_blocks = len(engine.requests["doomed"][0].block_table)
             assert doomed_blocks > 0
             engine.abort_request("doomed")
             engine.abort_request(["never-added", "doomed"])  # unknown or gone: ignored, as in vLLM
@@ -212,18 +212,18 @@ def test_chunked_prefill_shares_steps_with_running_decodes(tiny):
         engine = chunked.llm_engine
         final = RequestOutputKind.FINAL_ONLY
         engine.add_request("running", ref.prompts[0], greedy(ref.max_tokens, ignore_eos=True, output_kind=final))
-        while engine.requests["running"].num_computed_tokens < len(ref.prompts[0]):
+        while engine.requests["running"][0].num_computed_tokens < len(ref.prompts[0]):
             engine.step()  # its prompt, in chunks of 8: it decodes from here on
         engine.add_request("long", long_prompt, greedy(4, ignore_eos=True, output_kind=final))
         computed, finals = [0], {}
         while engine.has_unfinished_requests():
-            prefilling = "long" in engine.requests and engine.requests["long"].num_computed_tokens < len(long_prompt)
-            decoded = engine.requests["running"].num_computed_tokens if "running" in engine.requests else None
+            prefilling = "long" in engine.requests and engine.requests["long"][0].num_computed_tokens < len(long_prompt)
+            decoded = engine.requests["running"][0].num_computed_tokens if "running" in engine.requests else None
             finals |= {o.request_id: o for o in engine.step()}
             if prefilling:
-                computed.append(engine.requests["long"].num_computed_tokens if "long" in engine.requests else 80)
+                computed.append(engine.requests["long"][0].num_computed_tokens if "long" in engine.requests else 80)
                 if decoded is not None and "running" in engine.requests:
-                    assert engine.requests["running"].num_computed_tokens == decoded + 1, "a prefill stalled it"
+                    assert engine.requests["running"][0].num_computed_tokens == decoded + 1, "a prefill stalled it"
         chunks = [b - a for a, b in zip(computed, computed[1:], strict=False)]
         assert len(chunks) >= 8 and max(chunks) <= 7 and sum(chunks) == len(long_prompt)
         assert finals["running"].outputs[0].token_ids == ref.expected[0]

@@ -3,6 +3,8 @@ whatever shares their batch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,16 +14,17 @@ from weft.layers.sampler import SamplingTensors, hashed_uniform, sample
 pytestmark = pytest.mark.correctness
 
 
-def settings(B: int, temperature=1.0, top_k=None, top_p=1.0, seeds=None, position=0) -> SamplingTensors:
+def settings(B: int, temperature=1.0, top_k=None, top_p=1.0, seeds=None, position=0, min_p=0.0) -> SamplingTensors:
     def col(v, dtype):
         return torch.as_tensor(v if isinstance(v, list) else [v] * B, dtype=dtype)
 
     seeds = seeds if seeds is not None else [None] * B
     return SamplingTensors(
         temperature=col(temperature, torch.float32), top_k=col(top_k if top_k is not None else 10**9, torch.int64),
-        top_p=col(top_p, torch.float32), seeded=torch.tensor([s is not None for s in seeds]),
+        top_p=col(top_p, torch.float32), min_p=col(min_p, torch.float32),
+        seeded=torch.tensor([s is not None for s in seeds]),
         seed=torch.tensor([[(s or 0) & 0xFFFFFFFF, ((s or 0) >> 32) & 0xFFFFFFFF] for s in seeds]),
-        position=col(position, torch.int64),
+        position=col(position, torch.int64), max_top_k=max(top_k) if isinstance(top_k, list) else top_k or 10**9,
     )  # fmt: skip
 
 
@@ -95,3 +98,13 @@ def test_seeded_requests_repeat_across_calls_and_batches(device):
     alone = llm.generate([[3, 4, 5]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     crowd = llm.generate([[9, 9], [3, 4, 5], [1]], [noise, seeded, noise], use_tqdm=False)[1].outputs[0].token_ids
     assert crowd == alone
+
+
+def test_ranking_only_the_largest_top_k_draws_what_ranking_all_does():
+    """With every row's top_k below V the sampler ranks only the largest K: a seeded row draws the same token."""
+    B, V = 64, 300
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(5)) * 2
+    t = settings(B, temperature=0.9, top_k=[20 + i % 7 for i in range(B)], top_p=0.9, seeds=list(range(B)),
+                 position=3, min_p=0.02)
+    everything = dataclasses.replace(t, max_top_k=V)
+    assert sample(logits, t).tolist() == sample(logits, everything).tolist()

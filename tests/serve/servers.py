@@ -77,13 +77,12 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None) -> None:
 
 
 @contextmanager
-def in_process_server(config: EngineConfig, name: str, max_queued_requests: int | None = None) -> Iterator[
-    tuple[str, FastAPI]
-]:
-    """build_app over an engine process for `config`, under uvicorn in a thread of this process
-    -> (its base URL …/v1, the app: `app.state.engine` is the AsyncEngine)."""
+def in_process_server(config: EngineConfig, name: str, max_queued_requests: int | None = None,
+                      **app_options: object) -> Iterator[tuple[str, FastAPI]]:
+    """build_app (with `app_options`: api_key, ...) over an engine process for `config`, under uvicorn in a thread
+    of this process -> (its base URL …/v1, the app: `app.state.engine` is the AsyncEngine)."""
     port = free_port()
-    app = build_app(AsyncEngine(config, max_queued_requests), name)
+    app = build_app(AsyncEngine(config, max_queued_requests), name, **app_options)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -152,7 +152,7 @@ def test_the_stream_ends_with_done(server):
 
 def metric(server: str, name: str) -> float:
     text = httpx.get(server.removesuffix("/v1") + "/metrics", timeout=10).text
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith((name + " ", name + "{"))))
 
 
 def wait_for_metric(server: str, name: str, value: float, timeout_s: float = 20) -> float:
@@ -203,8 +203,26 @@ BAD = [
     ("completions", {"model": NAME, "prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": "2"}, 400, "stop_token_ids"),
     ("completions", {"model": NAME, "prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
-    ("completions", {"model": NAME, "prompt": "hi", "n": 2}, 400, "n"),
-    ("completions", {"model": NAME, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"model": NAME, "prompt": "hi", "n": 0}, 400, "n"),
+    ("completions", {"model": NAME, "prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ("completions", {"model": NAME, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),  # --max-logprobs 20
+    ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": [10**8]}, 400, "stop_token_ids"),
+    ("completions", {"model": NAME, "prompt": "hi", "allowed_token_ids": [-3]}, 400, "allowed_token_ids"),
+    ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"100000000": 1}}, 400, "logit_bias"),
+    ("completions", {"model": NAME, "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("completions", {"model": NAME, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("completions", {"model": NAME, "prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ("completions", {"model": NAME, "prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("completions", {"model": NAME, "prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("completions", {"model": NAME, "prompt": "hi", "structured_outputs": {"regex": "(", "choice": ["a"]}}, 400,
+     "structured_outputs"),
+    ("completions", {"model": NAME, "prompt": "hi", "structured_outputs": {"regex": "(unclosed"}}, 400,
+     "structured_outputs"),
+    ("completions", {"model": NAME, "prompt": "hi", "structured_outputs": {"json": {"type": "nonsense"}}}, 400,
+     "structured_outputs"),
+    ("completions", {"model": NAME, "prompt": "hi", "stream_options": {"include_usage": True, "x": 1},
+                     "stream": True}, 400, "stream_options.x"),
     ("completions", {"model": NAME, "prompt": "hi", "logprobs": -1}, 400, "logprobs"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, 400,
      "logprobs"),
@@ -218,7 +236,7 @@ BAD = [
     ("completions", {"model": NAME, "prompt": [1, 2, 10**8]}, 400, "prompt"),
     ("completions", {"model": NAME, "prompt": [1, True]}, 400, "prompt"),
     ("completions", {"model": NAME, "prompt": [1] * 2048}, 400, "prompt"),  # max_model_len 2048: no room
-    ("chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": 3, "content": "hi"}]}, 400, "messages"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi " * 3000}]}, 400, "messages"),
     ("chat/completions", {"model": NAME, "messages": "hi"}, 400, "messages"),
     ("chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
@@ -260,6 +278,94 @@ def test_models_and_metrics(server, client):
     for name in ("weft:time_to_first_token_seconds_count", "weft:inter_token_latency_seconds_count",
                  "weft:e2e_request_latency_seconds_count", "weft:num_preemptions_total"):
         assert name in text
+
+
+# ---- vLLM's sampling fields over HTTP: the offline engine's answers -------------------------------------------
+
+
+def streamed_choices(server: str, body: dict) -> tuple[dict[int, str], list[dict]]:
+    """An SSE completion's text per choice index, and its chunks."""
+    texts: dict[int, str] = {}
+    chunks = []
+    with httpx.stream("POST", f"{server}/completions", json={"model": NAME, "stream": True, **body}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line.removeprefix("data: "))
+                chunks.append(chunk)
+                for c in chunk["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    return texts, chunks
+
+
+@needs_smollm2
+def test_n_choices_are_the_engines_seeded_completions_streamed_or_not(server, client, offline):
+    prompts = ["Once upon a time", "The sky is"]
+    body = dict(n=3, max_tokens=6, temperature=1.0, seed=5)
+    response = client.completions.create(model=NAME, prompt=prompts, **body)
+    outs = offline.generate(prompts, SamplingParams(**body), use_tqdm=False)
+    expected = {i * 3 + c.index: c.text for i, out in enumerate(outs) for c in out.outputs}
+    assert {c.index: c.text for c in response.choices} == expected and len(set(expected.values())) > 1
+    assert response.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in outs)  # each prompt once
+    texts, _ = streamed_choices(server, dict(prompt=prompts, **body))
+    assert texts == expected
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=4,
+                                          temperature=1.0, seed=3)
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+@needs_smollm2
+def test_stop_strings_penalties_and_biases_are_the_engines(server, client, offline):
+    free = offline.generate("Once upon a time", greedy(16), use_tqdm=False)[0].outputs[0].text
+    stop = free.split()[2]
+    body = dict(max_tokens=16, temperature=0.0, stop=[stop], frequency_penalty=0.5, presence_penalty=0.3,
+                repetition_penalty=1.2, min_p=0.05)
+    expected = offline.generate("Once upon a time", SamplingParams(**body), use_tqdm=False)[0].outputs[0]
+    extra = dict(repetition_penalty=1.2, min_p=0.05)
+    got = client.completions.create(model=NAME, prompt="Once upon a time", extra_body=extra,
+                                    **{k: v for k, v in body.items() if k not in extra}).choices[0]
+    assert (got.text, got.finish_reason) == (expected.text, expected.finish_reason)
+    assert got.model_extra["stop_reason"] == expected.stop_reason
+    texts, _ = streamed_choices(server, dict(prompt="Once upon a time", **body))
+    assert texts == {0: expected.text}  # nothing of a stop string leaked into the stream
+    biased = client.completions.create(model=NAME, prompt="Hi", max_tokens=3, temperature=0, logit_bias={"42": 100})
+    assert biased.choices[0].text == offline.get_tokenizer().decode([42] * 3)
+
+
+@needs_smollm2
+def test_echo_usage_details_and_continuous_usage(server, client):
+    prompt = "A long shared prefix, " * 3 + "then a question?"
+    first = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    c = first.choices[0]
+    assert c.text.startswith(prompt) and c.logprobs.token_logprobs[0] is None
+    assert len(c.logprobs.tokens) == first.usage.prompt_tokens + first.usage.completion_tokens
+    assert "".join(c.logprobs.tokens) == c.text
+    again = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16  # its full blocks came from the prefix cache
+    _, chunks = streamed_choices(server, dict(prompt=prompt, max_tokens=4, temperature=0,
+                                              stream_options={"include_usage": True,
+                                                                              "continuous_usage_stats": True}))
+    with_choices = [ch for ch in chunks if ch["choices"]]
+    assert all(ch["usage"]["prompt_tokens"] == first.usage.prompt_tokens for ch in with_choices)
+    assert with_choices[-1]["usage"]["completion_tokens"] == 4 and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+@needs_smollm2
+def test_structured_outputs_parse_on_both_endpoints(client):
+    schema = {"type": "object", "required": ["city", "country"],  # bounded: a greedy small model repeats digits
+              "properties": {"city": {"type": "string", "maxLength": 12},
+                             "country": {"type": "string", "maxLength": 12}}}
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "The largest city in France, as JSON."}], max_tokens=40,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    record = json.loads(chat.choices[0].message.content)
+    assert isinstance(record["city"], str) and isinstance(record["country"], str)
+    anything = client.completions.create(model=NAME, prompt="A JSON object:", max_tokens=30, temperature=0,
+                                         extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(anything.choices[0].text), dict)
+    choice = client.completions.create(model=NAME, prompt="Is the sky blue?", max_tokens=5, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no")
 
 
 # ---- a server whose app runs here: a full queue, a dead engine, a model without a chat template ----------
@@ -312,10 +418,10 @@ def test_an_exception_serving_one_request_fails_it_alone(tiny_server, monkeypatc
 
     real = api.token_fields
 
-    def fails_for_seven(request, out):
-        if len(out.outputs[0].token_ids) == 7:
+    def fails_for_seven(request, out, c):
+        if len(c.token_ids) == 7:
             raise RuntimeError("serializer broke")
-        return real(request, out)
+        return real(request, out, c)
 
     monkeypatch.setattr(api, "token_fields", fails_for_seven)  # the app runs here: the patch reaches it
     url = tiny_server

@@ -103,7 +103,7 @@ def summarize(
     return RunMetrics(
         requests=len(outputs),
         input_tokens=sum(len(o.prompt_token_ids) for o in outputs),
-        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
         makespan_s=makespan_s,
         latency={
             **percentiles("ttft", [m.ttft for m in served]),

@@ -32,6 +32,14 @@ ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 SET_BY_BENCHMARK = ("model", "dtype", "device", "num_blocks", "max_model_len")
 
 GRAPHS_OFF = {"NONE": "CUDA graphs", "FULL_DECODE_ONLY": "piecewise graphs", "PIECEWISE": "decode graphs"}
+# weft's sampling besides greedy, as SamplingParams overrides (every run ignores EOS and runs to max_tokens)
+SAMPLINGS: dict[str, dict[str, object]] = {
+    "greedy": {},
+    "sampled": dict(temperature=0.8, top_p=0.95, top_k=50, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5,
+                    repetition_penalty=1.1, seed=0),
+    "n1": dict(temperature=0.8, seed=0),
+    "n4": dict(n=4, temperature=0.8, seed=0),  # n1's requests, four completions each
+}
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class BenchConfig:
     options: dict[str, object] = field(default_factory=dict)
     pool_fraction: float = 1.0  # weft: the pool as a fraction of what holds every request at once
     hf_batch_size: int | None = None  # hf_generate(_static): requests per padded batch; None: all in one
+    sampling: str = "greedy"  # weft: how every request samples, a name of SAMPLINGS
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -60,6 +69,13 @@ class BenchConfig:
             check_names(self.setting("attention"), self.setting("scheduler"), self.setting("cudagraph_mode"))
         if not 0 < self.pool_fraction <= 1:
             raise ValueError(f"pool_fraction must be in (0, 1], got {self.pool_fraction}")
+        if self.sampling not in SAMPLINGS or (self.sampling != "greedy" and self.engine != "weft"):
+            raise ValueError(f"sampling {self.sampling!r}: weft's are {', '.join(SAMPLINGS)}; the baselines are greedy")
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        """What a request of `max_tokens` samples with."""
+        settings = {"temperature": 0.0, **SAMPLINGS[self.sampling]}  # greedy unless the sampling says otherwise
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **settings)
 
     def setting(self, name: str) -> object:
         """weft's EngineConfig `name`: the option given, else EngineConfig's default."""
@@ -79,8 +95,9 @@ class BenchConfig:
         parts = (("chunked prefill", off("enable_chunked_prefill")), (graphs, graphs is not None),
                  ("prefix cache", off("enable_prefix_caching")), ("overlap", off("enable_overlap")),
                  ("fused layers", off("enable_fused_layers")))
+        sampled = "" if self.sampling == "greedy" else f", {self.sampling}"
         return f"{self.setting('scheduler')}×{self.setting('attention')}" + "".join(
-            f", no {name}" for name, is_off in parts if is_off)
+            f", no {name}" for name, is_off in parts if is_off) + sampled
 
     @property
     def id(self) -> str:
@@ -88,7 +105,7 @@ class BenchConfig:
         return (self.label.replace("×", "-").replace(", no prefix cache", "-nocache")
                 .replace(", no chunked prefill", "-nochunks").replace(", no CUDA graphs", "-eager")
                 .replace(", no piecewise graphs", "-nopiecewise").replace(", no decode graphs", "-nodecodegraphs")
-                .replace(", no overlap", "-nooverlap").replace(", no fused layers", "-nofused"))
+                .replace(", no overlap", "-nooverlap").replace(", no fused layers", "-nofused").replace(", ", "-"))
 
 
 class Driver(Protocol):
@@ -103,11 +120,6 @@ class Driver(Protocol):
     def close(self) -> None:
         """Free what the driver holds (pool, cache, threads)."""
         ...
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    """Benchmarks decode greedily and never stop early, so every engine does the same work."""
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def engine_options(config: BenchConfig, workload: Workload) -> dict[str, object]:
@@ -149,7 +161,7 @@ class WeftDriver:
         self.runs += 1
         seconds = workload.clock == "seconds"
         arrivals = [
-            Arrival(f"run{self.runs}-{i}", list(r.prompt_token_ids), greedy(r.max_tokens),
+            Arrival(f"run{self.runs}-{i}", list(r.prompt_token_ids), self.config.params(r.max_tokens),
                     r.arrival_s if seconds else r.arrival_tick)
             for i, r in enumerate(workload.requests)
         ]
@@ -169,6 +181,7 @@ class WeftDriver:
             "pool_blocks": pool.num_blocks,
             "block_size": pool.block_size,
             "pool_fraction": self.config.pool_fraction,
+            "sampling": self.config.sampling,
             "max_num_seqs": c.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens,
             "decode_graphs": self.engine.runner.graphs is not None,  # what ran: a backend may have none to capture
@@ -259,7 +272,7 @@ def record(
         "prefix_cache_hit_rate": served.prefix_cache_hit_rate,
         # requests that got fewer tokens than asked for (a baseline that failed or stopped early)
         "incomplete_requests": sum(
-            len(o.outputs[0].token_ids) < r.max_tokens
+            any(len(c.token_ids) < r.max_tokens for c in o.outputs)
             for o, r in zip(served.outputs, workload.requests, strict=True)
         ),
     }

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jinja2 import TemplateError
+
 from weft.errors import ParamTypeError, ParamValueError
 
-ROLES = ("system", "user", "assistant", "tool")
 MESSAGES = "messages"  # the param a refusal of a conversation names (weft.errors)
 
 
@@ -16,10 +17,13 @@ def is_conversation(messages: object) -> bool:
     return isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Mapping)
 
 
-def chat_prompt(tokenizer: Any | None, messages: object, model_name: str) -> list[int]:
+def chat_prompt(tokenizer: Any | None, messages: object, model_name: str, *, add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
     """messages [{"role": ..., "content": str or [{"type": "text", "text": ...}]}, ...] -> token ids that
-    end with the assistant's turn opened. ValueError / TypeError naming what is wrong (a model without a chat
-    template: no param; a bad message: `messages`)."""
+    end with the assistant's turn opened (unless not `add_generation_prompt`), with the tokenizer's special tokens
+    (BOS) on top of the template's if `add_special_tokens` (vLLM's /tokenize options). ValueError / TypeError naming
+    what is wrong (a model without a chat template: no param; a bad message, or one the template refuses:
+    `messages`)."""
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"model {model_name!r} has no chat template: send token ids or text as a completion instead")
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
@@ -30,10 +34,14 @@ def chat_prompt(tokenizer: Any | None, messages: object, model_name: str) -> lis
         if not isinstance(m, Mapping):
             raise ParamTypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r:.40}", MESSAGES)
         role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise ParamValueError(f"messages[{i}]['role'] must be one of {', '.join(ROLES)}, got {role!r}", MESSAGES)
+        if not isinstance(role, str) or not role:  # which roles it takes is the template's to say (vLLM's rule)
+            raise ParamValueError(f"messages[{i}]['role'] must be a non-empty string, got {role!r}", MESSAGES)
         turns.append({"role": role, "content": _text(content, i)})
-    return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False))
+    try:
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except TemplateError as e:  # its raise_exception (roles out of turn, ...): the request's fault, not the engine's
+        raise ParamValueError(f"the chat template refused the messages: {e}", MESSAGES) from None
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))  # vLLM's order: the text, then its ids
 
 
 def _text(content: object, i: int) -> str:

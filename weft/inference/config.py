@@ -48,18 +48,20 @@ class EngineConfig:
     enable_overlap: bool | None = None  # plan and queue step k+1 while step k runs, then land k; None: on CUDA
     enable_fused_layers: bool = True  # CUDA: norms, RoPE (+ K/V store), SiLU x up as Triton kernels; else PyTorch's
     tensor_parallel_size: int = 1  # ranks that each hold a slice of the model (processes; GPUs on CUDA)
+    max_logprobs: int = 20  # the most alternatives a request's logprobs or prompt_logprobs may ask for (vLLM's)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         check_names(self.attention, self.scheduler, self.cudagraph_mode)
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "kv_cache_memory_bytes", "tensor_parallel_size"):
+                     "kv_cache_memory_bytes", "tensor_parallel_size", "max_logprobs"):
             value = getattr(self, name)
-            if value is None and name not in ("block_size", "max_num_seqs", "tensor_parallel_size"):
+            if value is None and name not in ("block_size", "max_num_seqs", "tensor_parallel_size", "max_logprobs"):
                 continue
             value = as_int(name, value)
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            least = 0 if name == "max_logprobs" else 1
+            if value < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
             set_(self, name, value)
         set_(self, "dtype", _dtype_name(self.dtype))
         set_(self, "device", _device(self.device))

@@ -34,3 +34,10 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
+
+
+def first_stop(text: str, added: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """The earliest stop string in `text` that ends within its last `added` characters -> (where it starts, it);
+    None if there is none (the text before those characters was searched already)."""
+    found = [(at, s) for s in stops if (at := text.find(s, max(0, len(text) - added - len(s) + 1))) >= 0]
+    return min(found, key=lambda f: f[0]) if found else None

@@ -29,11 +29,12 @@ from weft.inference.config import EngineConfig
 from weft.inference.detokenizer import IncrementalDetokenizer
 from weft.inference.inputs import PROMPT, parse_prompt
 from weft.inference.outputs import CompletionOutput, EngineSnapshot, EngineStats, RequestMetrics, RequestOutput
-from weft.inference.params import RequestOutputKind, check_sampling_params
+from weft.inference.params import RequestOutputKind, SamplingParams, check_sampling_params
 from weft.inference.ranks import RankGroup, build_rank
 from weft.inference.runner import Launched, ModelRunner
 from weft.inference.scheduler import SCHEDULERS, ScheduledBatch
 from weft.inference.sequence import Sequence
+from weft.inference.structured import GrammarCompiler
 from weft.models.llama import LlamaForCausalLM
 from weft.models.loader import resolve_model
 
@@ -59,7 +60,8 @@ class LLMEngine:
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             self.eos_token_ids,
         )
-        self.requests: dict[RequestId, Sequence] = {}  # in flight: queued or running
+        self.requests: dict[RequestId, list[Sequence]] = {}  # in flight (queued or running): its n completions
+        self.grammars: GrammarCompiler | None = None  # built at the first request with structured outputs
         self.in_flight: deque[Launched] = deque()  # steps queued on the device, not landed yet (oldest first)
         self.stats = EngineStats()
 
@@ -96,22 +98,28 @@ class LLMEngine:
                              f"{len(request_ids)} ids, {len(prompts)} prompts, {len(params)} params, "
                              f"{len(labels)} labels")
         now = time.perf_counter() if arrival_time is None else arrival_time
-        seqs = [self._sequence(*request, now) for request in zip(request_ids, prompts, params, labels, strict=True)]
-        ids = [seq.request_id for seq in seqs]
+        groups = [self._sequences(*request, now) for request in zip(request_ids, prompts, params, labels, strict=True)]
+        ids = [group[0].request_id for group in groups]
         for i, rid in enumerate(ids):
             if rid in self.requests or rid in ids[:i]:
                 raise ParamValueError(f"{labels[i]}: request id {rid!r} is already in flight")
-        for seq in seqs:
-            self.requests[seq.request_id] = seq
-            self.scheduler.add(seq)
+        for rid, group in zip(ids, groups, strict=True):
+            self.requests[rid] = group
+            for seq in group:
+                self.scheduler.add(seq)
 
-    def _sequence(self, request_id: RequestId, prompt: object, params: object, label: str, now: float) -> Sequence:
-        """A checked request's state, queued nowhere yet."""
+    def _sequences(self, request_id: RequestId, prompt: object, params: object, label: str, now: float
+                   ) -> list[Sequence]:
+        """A checked request's n completions, queued nowhere yet."""
         if isinstance(request_id, bool) or not isinstance(request_id, str | int):
             raise ParamTypeError(f"request_id must be a str or an int, got {request_id!r}")
         params = check_sampling_params(params, label)
         parsed = parse_prompt(prompt, self.tokenizer, self.model_config.V, label)
         ids, cfg = parsed.token_ids, self.config
+        self._check_params(params, label)
+        if params.truncate_prompt_tokens is not None:  # the prompt's last k tokens, as vLLM keeps
+            keep = cfg.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            ids = ids[-keep:]
         if len(ids) >= cfg.max_model_len:
             raise ParamValueError(
                 f"{label} has {len(ids)} tokens; the model's context (max_model_len) is {cfg.max_model_len}, "
@@ -123,36 +131,72 @@ class LLMEngine:
                 "(with enable_chunked_prefill=False a prompt is prefilled in one step)", PROMPT,
             )
         max_tokens = params.max_tokens or cfg.max_model_len
-        seq = Sequence(
-            request_id=request_id,
-            token_ids=list(ids),
-            num_prompt_tokens=len(ids),
-            params=params,
-            max_len=min(len(ids) + max_tokens, cfg.max_model_len),
-            metrics=RequestMetrics(now),
-            prompt=parsed.text,
-        )
-        need = self.blocks.blocks_for(seq.max_kv_tokens)
+        max_len = min(len(ids) + max_tokens, cfg.max_model_len)
+        need = self.blocks.blocks_for(max_len - 1)
         if need > self.blocks.num_blocks:
             raise ParamValueError(
-                f"{label} needs {seq.max_kv_tokens} cache slots ({need} blocks of {self.blocks.block_size}); "
+                f"{label} needs {max_len - 1} cache slots ({need} blocks of {self.blocks.block_size}); "
                 f"the pool has {self.blocks.num_blocks} blocks, so it could never run", PROMPT,
             )
-        if self.tokenizer is not None and params.output_kind is not RequestOutputKind.FINAL_ONLY:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
-        if params.logprobs is not None:
-            seq.logprobs = []
-        if params.prompt_logprobs is not None:
-            seq.prompt_logprobs = [None]  # nothing predicts the first token
-        return seq
+        bad_words = self._bad_words(params.bad_words)
+        group: list[Sequence] = []
+        for index in range(params.n):
+            child = params.child(index) if params.n > 1 else params
+            seq = Sequence(
+                request_id=request_id, token_ids=list(ids), num_prompt_tokens=len(ids), params=child,
+                max_len=max_len, metrics=RequestMetrics(now), prompt=parsed.text, index=index,
+                first=group[0] if group else None, bad_words_ids=bad_words,
+            )  # fmt: skip
+            if self.tokenizer is not None and (child.output_kind is not RequestOutputKind.FINAL_ONLY or child.stop):
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+            if child.structured_outputs is not None:
+                seq.matcher = self.grammars.matcher(child.structured_outputs)
+            if child.logprobs is not None:
+                seq.logprobs = []
+            if child.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]  # nothing predicts the first token
+            group.append(seq)
+        return group
+
+    def _check_params(self, params: SamplingParams, label: str) -> None:
+        """What SamplingParams cannot check alone: token ids within the vocabulary, logprobs within max_logprobs,
+        a tokenizer for what is text (stop strings, bad words, grammars), a grammar that compiles."""
+        V = self.model_config.V
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", params.logit_bias)):
+            bad = next((t for t in ids or () if not 0 <= t < V), None)
+            if bad is not None:
+                raise ParamValueError(f"{label}: {name} holds token id {bad}, outside the vocabulary [0, {V})", name)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise ParamValueError(f"{label}: {name} is {k}, more than max_logprobs={self.config.max_logprobs}",
+                                      name)
+        for name in ("stop", "bad_words", "structured_outputs"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise ParamValueError(f"{label}: {name} needs a tokenizer, and this model has none", name)
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                self.grammars = GrammarCompiler(self.tokenizer, V, self.eos_token_ids)
+            self.grammars.compile(params.structured_outputs)
+
+    def _bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids as it would begin the text and, where they differ, as a word within it (after a
+        space), as vLLM bans them."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out += [alone] if spaced == alone or not spaced else [alone, spaced]
+        return tuple(w for w in out if w)
 
     def abort_request(self, request_id: RequestId | Iterable[RequestId]) -> None:
         """Drop requests (unknown or finished ids are ignored, as in vLLM); their blocks are free at once."""
         ids = [request_id] if isinstance(request_id, str | int) else list(request_id)
         for rid in ids:
-            seq = self.requests.pop(rid, None)
-            if seq is not None:
-                self.scheduler.remove(seq)
+            for seq in self.requests.pop(rid, ()):
+                if seq.finish_reason is None:
+                    self.scheduler.remove(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -185,7 +229,7 @@ class LLMEngine:
                 raise RuntimeError("the scheduler made no progress: this is a weft bug, please report it")
             return outputs + self._land(keep=0)
         launched = self._launch(batch)
-        overlap = self.config.enable_overlap and not launched.asks_logprobs
+        overlap = self.config.enable_overlap and not launched.lands_at_once
         return outputs + self._land(keep=1 if overlap else 0)
 
     def _count(self, batch: ScheduledBatch) -> None:
@@ -219,39 +263,59 @@ class LLMEngine:
         while len(self.in_flight) > keep:
             step = self.in_flight[0].land(decode)
             self.in_flight.popleft()
+            took: dict[RequestId, list[Sequence]] = {}  # the requests whose completions took a token, in order
             for seq in self.scheduler.landed(step):
                 self.stats.generation_tokens += 1
-                if len(seq.token_ids) == seq.num_prompt_tokens + 1:
+                if len(seq.token_ids) == seq.num_prompt_tokens + 1 and seq.index == 0:
                     self.stats.prompt_tokens += seq.num_prompt_tokens
-                if seq.finish_reason is not None:
-                    del self.requests[seq.request_id]
-                output = self._output(seq)
+                took.setdefault(seq.request_id, []).append(seq)
+            for rid, seqs in took.items():
+                group = self.requests[rid]
+                finished = all(seq.finish_reason is not None for seq in group)
+                if finished:
+                    del self.requests[rid]
+                output = self._output(group, seqs, finished)
                 if output is not None:
                     outputs.append(output)
         return outputs
 
-    def _output(self, seq: Sequence) -> RequestOutput | None:
-        kind, finished = seq.params.output_kind, seq.finish_reason is not None
+    def _output(self, group: list[Sequence], took: list[Sequence], finished: bool) -> RequestOutput | None:
+        """A request's output after a step in which its completions `took` took a token: as its output_kind says,
+        those completions' new tokens and text (DELTA), all of every completion (CUMULATIVE), or all of every
+        completion once the last has finished (FINAL_ONLY). Its metrics are its first completion's."""
+        first, kind = group[0], group[0].params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        returned, is_delta = seq.num_returned_tokens, kind is RequestOutputKind.DELTA
-        ids = seq.token_ids[seq.num_prompt_tokens + (returned if is_delta else 0) :]  # a delta copies only its own
+        is_delta = kind is RequestOutputKind.DELTA
+        opening = all(seq.num_returned_tokens == 0 for seq in group)  # a delta carries the prompt's logprobs once
+        completions = [self._completion(seq, is_delta) for seq in (took if is_delta else group)]
+        prompt_logprobs = None if is_delta and not opening else first.prompt_logprobs
+        return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, completions, finished,
+                             first.metrics, list(prompt_logprobs) if prompt_logprobs is not None else None,
+                             first.num_cached_tokens)
+
+    def _completion(self, seq: Sequence, is_delta: bool) -> CompletionOutput:
+        """One completion's output: all of it, or what it has not handed out yet (`is_delta`). A stop string may be
+        starting at the end of its text: those characters wait until it has finished or they are decided."""
+        returned = seq.num_returned_tokens if is_delta else 0
+        ids = seq.token_ids[seq.num_prompt_tokens + returned :]  # a delta copies only its own
+        logprobs = seq.logprobs[returned:] if seq.logprobs is not None else None
         if is_delta:
             seq.num_returned_tokens = returned + len(ids)
-        logprobs = seq.logprobs
-        if logprobs is not None:
-            logprobs = logprobs[returned:] if is_delta else list(logprobs)
-        prompt_logprobs = None if is_delta and returned else seq.prompt_logprobs
+        p, done = seq.params, seq.finish_reason is not None
         if seq.detokenizer is not None:
-            delta = seq.detokenizer.add(seq.token_ids[-1:], final=finished)
-            text = delta if is_delta else seq.detokenizer.text
+            text = seq.detokenizer.text
+            hold = 0 if done or p.include_stop_str_in_output else max(map(len, p.stop), default=1) - 1
+            end = max(seq.num_returned_chars, len(text) - hold)
+            start = seq.num_returned_chars if is_delta else 0
+            if is_delta:
+                seq.num_returned_chars = end
+            text = text[start:end]
         elif self.tokenizer is not None:  # FINAL_ONLY, finished: its text decoded as a stream's would be, at once
             text = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids).add(ids, final=True)
         else:
             text = ""
-        completion = CompletionOutput(0, text, ids, seq.finish_reason, seq.stop_reason, logprobs)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], finished, seq.metrics,
-                             list(prompt_logprobs) if prompt_logprobs is not None else None)
+        return CompletionOutput(seq.index, text, ids, seq.finish_reason, seq.stop_reason, logprobs)
 
     # ---- lifetime -----------------------------------------------------------------------------
 

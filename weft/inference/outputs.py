@@ -48,13 +48,13 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request (weft generates one per request: index 0)."""
+    """One completion of a request: index i of its SamplingParams.n."""
 
     index: int
     text: str  # token_ids decoded ("" for a model without a tokenizer)
     token_ids: list[int]  # generated tokens only (this step's alone for RequestOutputKind.DELTA)
-    finish_reason: str | None  # "stop" (EOS or a stop token), "length" (max_tokens or the context); None: running
-    stop_reason: int | None = None  # the stop token that ended it, if one of stop_token_ids did
+    finish_reason: str | None  # "stop" (EOS, a stop token or string, a grammar's end), "length"; None: running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if one did
     logprobs: list[dict[int, Logprob]] | None = None  # with SamplingParams.logprobs: one per token of token_ids
 
 
@@ -68,6 +68,7 @@ class RequestOutput:
     metrics: RequestMetrics | None  # the engine's are always set; the server's pieces carry them when finished
     # with SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None  # its prompt tokens found in the prefix cache when it was first admitted
 
 
 @dataclass

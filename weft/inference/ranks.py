@@ -24,6 +24,7 @@ from weft.inference.config import EngineConfig
 from weft.inference.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from weft.inference.pool import PoolPlan, plan_pool
 from weft.inference.runner import ModelRunner
+from weft.inference.sampling import SamplingState
 from weft.models import build_model
 from weft.models.llama import LlamaForCausalLM
 from weft.models.loader import ModelSource, resolve_model
@@ -95,7 +96,7 @@ def build_rank(config: EngineConfig, source: ModelSource, rank: int, group: Rank
         group.join(tp, device)
         num_blocks = group.share_pool(pool, device)
         pool = pool or plan_pool(replace(config, num_blocks=num_blocks), local)
-    return _runner(config, local, model, pool, tp, device), pool
+    return _runner(config, local, model, pool, tp, device, source.eos_token_ids), pool
 
 
 def _load_slice(config: EngineConfig, source: ModelSource, tp: TensorParallel, device: torch.device
@@ -107,7 +108,7 @@ def _load_slice(config: EngineConfig, source: ModelSource, tp: TensorParallel, d
 
 
 def _runner(config: EngineConfig, local: ModelConfig, model: LlamaForCausalLM, pool: PoolPlan, tp: TensorParallel,
-            device: torch.device) -> ModelRunner:
+            device: torch.device, eos_token_ids: frozenset[int]) -> ModelRunner:
     """The runner over this rank's pool and, on CUDA, its graphs (decode graphs where the backend's attention can
     be captured)."""
     attn = config.backend(local, pool.num_blocks, pool.block_size, config.torch_dtype, device)
@@ -117,7 +118,8 @@ def _runner(config: EngineConfig, local: ModelConfig, model: LlamaForCausalLM, p
         graphs = DecodeGraphs(model, attn, config.max_num_seqs, config.max_model_len)
     if mode.endswith("PIECEWISE"):
         pieces = PiecewiseGraphs(model, attn, config.max_num_batched_tokens)
-    return ModelRunner(model, attn, device, graphs, pieces, tp)
+    sampling = SamplingState(model.cfg.V, device, config.max_num_seqs, eos_token_ids) if tp.rank == 0 else None
+    return ModelRunner(model, attn, device, graphs, pieces, tp, sampling)
 
 
 def _free_port() -> int:

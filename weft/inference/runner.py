@@ -23,9 +23,10 @@ from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.distributed import SINGLE, TensorParallel
 from weft.inference.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from weft.inference.logprobs import Entries, as_dict, logprob_entries
+from weft.inference.sampling import SamplingState
 from weft.inference.scheduler import ScheduledBatch, StepOutput
 from weft.inference.sequence import Sequence
-from weft.layers.sampler import MASK32, SamplingTensors, sample
+from weft.layers.sampler import adjust, sample
 from weft.models.llama import LlamaForCausalLM
 
 
@@ -124,8 +125,11 @@ class Launched:
     prompt_logprobs: list[tuple[Sequence, Entries]]
 
     @property
-    def asks_logprobs(self) -> bool:
-        return bool(self.prompt_logprobs) or any(e is not None for e in self.logprobs)
+    def lands_at_once(self) -> bool:
+        """Whether the engine lands it before planning the next step: it carries logprobs, or a request's next
+        logit rules need this step's token on the host (Sequence.needs_host_tokens)."""
+        return (bool(self.prompt_logprobs) or any(e is not None for e in self.logprobs)
+                or any(s.needs_host_tokens for s in self.sampled))
 
     def land(self, decode: Callable[[list[int]], str] | None) -> StepOutput:
         """Wait for the sampled ids -> the step's output, its logprobs as vLLM's entries (`decode`: token ids to
@@ -177,11 +181,12 @@ def gather(batch: ScheduledBatch) -> StepLists:
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, attn: AttentionBackend, device: torch.device, graphs: DecodeGraphs | None = None,
-        pieces: PiecewiseGraphs | None = None, tp: TensorParallel = SINGLE,
+        pieces: PiecewiseGraphs | None = None, tp: TensorParallel = SINGLE, sampling: SamplingState | None = None,
     ) -> None:
         self.model = model
         self.attn = attn
         self.device = device
+        self.sampling = sampling  # rank 0's (the others never sample): the rows' settings, rules and token counts
         self.tp = tp  # the model's slice; rank 0 sends every step to the other ranks
         if any(g is not None and g.attn is not attn for g in (graphs, pieces)):
             raise ValueError("the CUDA graphs were captured over another KV pool")
@@ -236,7 +241,13 @@ class ModelRunner:
         logits = self.forward(step.tensors)
         x = step.lists
         n = len(x.sampling)
-        tokens = sample(logits[:n], self.sampling_tensors(x.sampling))
+        sampled = logits[:n]
+        ruled = self.sampling.rules(x.sampling)  # host work (a grammar's mask) while the device runs the forward
+        if ruled is not None:
+            sampled = adjust(sampled, ruled[0])
+        tokens = sample(sampled, self.sampling.settings(x.sampling))
+        if ruled is not None:
+            self.sampling.count(*ruled, tokens)
         cuda = self.device.type == "cuda"
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda).copy_(tokens, non_blocking=cuda)
         copied = torch.cuda.Event() if cuda else None
@@ -272,27 +283,6 @@ class ModelRunner:
     def stop_ranks(self) -> None:
         """Rank 0: tell the other ranks there are no more steps."""
         dist.broadcast(torch.zeros(len(fields(StepLayout)), dtype=torch.int64, device=self.device), 0)
-
-    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors | None:
-        """The sampled rows' settings as tensors (None when every row is greedy)."""
-        params = [s.params for s in seqs]
-        if all(p.greedy for p in params):
-            return None
-        V = self.model.cfg.V
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
-        seeds = [p.seed if p.seed is not None else 0 for p in params]
-        ints = torch.tensor([
-            [p.top_k if p.top_k > 0 else V for p in params],
-            [p.seed is not None for p in params],
-            [seed & MASK32 for seed in seeds],
-            [(seed >> 32) & MASK32 for seed in seeds],
-            [s.num_tokens for s in seqs],
-        ], dtype=torch.int64)  # fmt: skip
-        floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
-        return SamplingTensors(
-            temperature=floats[0], top_p=floats[1], top_k=ints[0], seeded=ints[1].bool(),
-            seed=ints[2:4].T, position=ints[4],
-        )  # fmt: skip
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

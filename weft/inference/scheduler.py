@@ -6,8 +6,10 @@
   under the token budget; when the pool runs out the latest-admitted sequence is preempted
   and later recomputed from its tokens.
 
-Both cut prefills into chunks under the step's token budget when chunked prefill is on. A scheduler
-owns its sequences' state for their whole life (with its block manager, their blocks): `schedule`
+Both cut prefills into chunks under the step's token budget when chunked prefill is on. A request's n
+completions are n sequences; under the continuous scheduler with prefix caching the later ones wait for
+the first to compute the prompt and take its blocks (the static one admits them together, each computing it).
+A scheduler owns its sequences' state for their whole life (with its block manager, their blocks): `schedule`
 picks a step's work, `launched` marks it queued on the device, `landed` takes its tokens back, and
 `remove` ends a request; nothing else writes a sequence's status, counts or tokens.
 """
@@ -19,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from weft.inference.block_manager import BlockManager
+from weft.inference.detokenizer import first_stop
 from weft.inference.outputs import Logprob
 from weft.inference.sequence import Sequence, Status
 
@@ -135,13 +138,28 @@ class Scheduler(ABC):
         return took
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
-        p = seq.params
+        """Advance its text and grammar by `token`, then end it if `token` stops it: a stop token, EOS, its grammar
+        complete, a stop string in its text (cut there: the text ends before it, or with it if asked), its length."""
+        p, detok = seq.params, seq.detokenizer
+        added = detok.add([token], final=False) if detok is not None else ""
+        if seq.matcher is not None:
+            seq.matcher.accept(token)
+        stop = first_stop(detok.text, len(added), p.stop) if added and p.stop else None
         if token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif token in self.eos_token_ids and not p.ignore_eos:
             seq.finish_reason = "stop"
+        elif seq.matcher is not None and seq.matcher.terminated:
+            seq.finish_reason = "stop"
+        elif stop is not None and seq.num_output_tokens >= p.min_tokens:
+            at, string = stop
+            detok.text = detok.text[: at + len(string) if p.include_stop_str_in_output else at]
+            seq.finish_reason, seq.stop_reason = "stop", string
+            return
         elif len(seq.token_ids) >= seq.max_len:
             seq.finish_reason = "length"
+        if seq.finish_reason is not None and detok is not None:
+            detok.add([], final=True)  # what an incomplete last character held back
 
     def _share(self, seq: Sequence, budget: int, computed: int | None = None) -> int:
         """New tokens for `seq` this step: all it lacks beyond `computed` (its own count by default), cut
@@ -151,11 +169,20 @@ class Scheduler(ABC):
         lacking = seq.num_tokens - (seq.num_computed_tokens if computed is None else computed)
         return max(0, min(lacking, budget)) if self.chunked_prefill else lacking
 
+    def _waits_for_first(self, seq: Sequence) -> bool:
+        """Whether `seq`, a request's completion after the first (n > 1), waits for the first to compute the prompt,
+        whose blocks it then takes from the prefix cache instead of computing them again."""
+        first = seq.first
+        return (first is not None and self.blocks.prefix_caching and first.status is not Status.FINISHED
+                and first.num_computed_tokens < first.num_prompt_tokens)
+
     def _admit(self, seq: Sequence, prefix: list[int], reserve: int, batch: ScheduledBatch) -> None:
         """Move the head of the queue to running: the cached blocks it begins with, then blocks for
         `reserve` cache slots."""
         self.waiting.popleft()
         self.blocks.take_prefix(seq, prefix)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed_tokens
         self.blocks.grow(seq, reserve)
         seq.status = Status.RUNNING
         self.running.append(seq)
@@ -229,6 +256,8 @@ class ContinuousScheduler(Scheduler):
             return batch.decodes_first()
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._waits_for_first(seq):  # FCFS: the requests behind it wait too (a step, most often)
+                break
             prefix = self.blocks.cached_prefix(seq)
             cached = len(prefix) * self.blocks.block_size
             T = self._share(seq, budget, cached)

@@ -1,4 +1,5 @@
-"""Sampler: the next token of every row of logits at once, greedy or with temperature / top-k / top-p.
+"""Sampler: the next token of every row of logits at once, greedy or with temperature / min-p / top-k / top-p,
+after the rows' logit rules (allowed tokens, bans and biases, penalties: `adjust`).
 
 No loop over rows: each row's settings are a tensor. A sampled row draws by the Gumbel-max trick
 (argmax of its filtered, scaled logits plus Gumbel noise is a draw from their softmax). A seeded
@@ -24,9 +25,47 @@ class SamplingTensors:
     temperature: torch.Tensor  # [B] float32; 0: greedy
     top_k: torch.Tensor  # [B] int64; V keeps every token
     top_p: torch.Tensor  # [B] float32; 1 keeps every token
+    min_p: torch.Tensor  # [B] float32; 0 keeps every token
     seeded: torch.Tensor  # [B] bool
     seed: torch.Tensor  # [B, 2] int64: a seeded row's seed, low and high 32 bits
     position: torch.Tensor  # [B] int64: the position of the token each row samples
+    max_top_k: int  # the largest row's top_k (V when a row keeps every token): only that many are ranked
+
+
+@dataclass
+class LogitRules:
+    """What changes the logits of some of a step's B sampled rows before they are sampled (on their device)."""
+
+    allowed_rows: torch.Tensor  # [A] int64: rows that may sample only some tokens
+    allowed: torch.Tensor  # [A, V] bool: those tokens
+    bias_rows: torch.Tensor  # [K] int64: (row, token, bias) entries, added to the logits; -inf bans a token
+    bias_tokens: torch.Tensor  # [K] int64
+    bias: torch.Tensor  # [K] float32
+    penalty_rows: torch.Tensor  # [R] int64: rows of requests with a penalty
+    counts: torch.Tensor  # [R, V] int32: each token's count in the row's output so far
+    seen: torch.Tensor  # [R, V] bool: the token is in the row's prompt or output
+    presence: torch.Tensor  # [R] float32
+    frequency: torch.Tensor  # [R] float32
+    repetition: torch.Tensor  # [R] float32
+
+
+def adjust(logits: torch.Tensor, rules: LogitRules) -> torch.Tensor:
+    """logits [B, V] (any float dtype) -> [B, V] float32 with the rules applied, in vLLM's order: the allowed
+    tokens, the biases and bans, then the repetition penalty (a seen token's logit divided by it if positive,
+    multiplied if not), the frequency penalty (times the token's count) and the presence penalty (once)."""
+    logits = logits.to(torch.float32, copy=True)  # a copy: the raw logits stay as they are, for logprobs
+    if rules.allowed_rows.numel():
+        rows = logits[rules.allowed_rows].masked_fill_(~rules.allowed, float("-inf"))
+        logits[rules.allowed_rows] = rows
+    if rules.bias_rows.numel():
+        logits.index_put_((rules.bias_rows, rules.bias_tokens), rules.bias, accumulate=True)
+    if rules.penalty_rows.numel():
+        x = logits[rules.penalty_rows]  # [R, V]
+        rep = rules.repetition[:, None]
+        x = torch.where(rules.seen, torch.where(x > 0, x / rep, x * rep), x)
+        x -= rules.frequency[:, None] * rules.counts + rules.presence[:, None] * (rules.counts > 0)
+        logits[rules.penalty_rows] = x
+    return logits
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
@@ -40,13 +79,18 @@ def sample(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
     logits = logits.float()
     B, V = logits.shape
     scaled = logits / t.temperature.clamp_min(1e-6)[:, None]
-    ordered, order = scaled.sort(dim=-1, descending=True)  # [B, V], and the token id at each rank
-    rank = torch.arange(V, device=logits.device)
+    # [B, K] and the token id at each rank; no row keeps a token past the largest top_k, so only K are ranked
+    K = min(t.max_top_k, V)
+    ordered, order = scaled.topk(K, dim=-1) if K < V else scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(K, device=logits.device)
     drop = rank[None, :] >= t.top_k[:, None]
+    # min-p keeps the tokens at least min_p times as likely as the likeliest (ordered[:, 0]), after temperature;
+    # log(0) = -inf keeps every token
+    drop |= ordered < ordered[:, :1] + t.min_p.log()[:, None]
     probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # top-p keeps the smallest prefix whose mass reaches top_p (the token crossing it included)
     drop |= probs.cumsum(dim=-1) - probs >= t.top_p[:, None]
-    u = torch.where(t.seeded[:, None], hashed_uniform(t.seed, t.position, order), torch.rand_like(scaled))
+    u = torch.where(t.seeded[:, None], hashed_uniform(t.seed, t.position, order), torch.rand_like(ordered))
     gumbel = -torch.log(-torch.log(u))
     pick = (ordered.masked_fill(drop, float("-inf")) + gumbel).argmax(dim=-1, keepdim=True)
     sampled = order.gather(1, pick)[:, 0]
@@ -54,7 +98,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
 
 
 def hashed_uniform(seed: torch.Tensor, position: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """seed [B, 2], position [B], token ids [B, V] (int64) -> uniforms in (0, 1) [B, V] float32, a hash of
+    """seed [B, 2], position [B], token ids [B, K] (int64) -> uniforms in (0, 1) [B, K] float32, a hash of
     all three: the same arguments give the same values on any device."""
     x = _mix(seed[:, 0] ^ _mix(seed[:, 1]))
     x = _mix(x ^ (position & MASK32))[:, None]

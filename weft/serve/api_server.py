@@ -2,30 +2,49 @@
 
     POST /v1/completions        prompt: text, token ids, or a list of them; SSE with "stream": true
     POST /v1/chat/completions   messages through the model's chat template
-    GET  /v1/models, /health (503 once the engine process has died), /metrics (Prometheus)
+    GET  /v1/models
+    POST /tokenize              vLLM's: a prompt's or a conversation's token ids, {"count", "max_model_len", "tokens"}
+    POST /detokenize            vLLM's: {"tokens": [...]} -> {"prompt": text}
+    GET  /health and /ping (also POST: SageMaker's), 503 once the engine process has died
+    GET  /metrics (Prometheus), /version
 
-Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad body or
-a request the engine refuses (the engine's own checks and words), 404 for another model's name,
-429 when --max-queued-requests are waiting, 503 when the engine process is gone, 500 for a failure
-while serving one request (that request only).
+A request may leave `model` out: the one model served answers it (vLLM's rule). With --api-key, /v1/...,
+/tokenize and /detokenize need `Authorization: Bearer <key>`; /health, /ping, /metrics and /version stay open.
+
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad body (or one
+over --max-request-body-bytes, refused before it is read) or a request the engine refuses (the engine's
+own checks and words), 401 without the API key, 404 for another model's name, 429 when
+--max-queued-requests are waiting, 503 when the engine process is gone, 500 for a failure while serving
+one request (that request only).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import hmac
+import importlib.metadata
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from weft.inference.chat import MESSAGES
+from weft.inference.chat import MESSAGES, chat_prompt
 from weft.inference.inputs import PROMPT, prompt_list
-from weft.inference.outputs import Logprob, RequestOutput
+from weft.inference.outputs import CompletionOutput, Logprob, RequestOutput
+from weft.inference.params import SamplingParams
 from weft.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from weft.serve.messages import Conversation
 from weft.serve.metrics import ServerMetrics
@@ -42,15 +61,24 @@ from weft.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     GenerationRequest,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
 )
+
+# vLLM sets no bound. A 128k-token prompt is about 1 MB as JSON token ids (0.5 MB as text): 16 MiB holds many
+MAX_REQUEST_BODY_BYTES = 16 * 2**20
 
 
 class APIError(Exception):
@@ -71,19 +99,98 @@ def refusal(e: ValueError | TypeError, prompt_field: str = PROMPT) -> APIError:
     return APIError(400, str(e), param=prompt_field if param == PROMPT else param)
 
 
-def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
+def guarded(path: str) -> bool:
+    """The paths --api-key guards: vLLM's (all under /v1), and /tokenize, /detokenize, which vLLM leaves open."""
+    return path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+
+
+class AuthenticationMiddleware:
+    """vLLM's --api-key: a request to a guarded path without `Authorization: Bearer <key>` gets 401, its body
+    unread."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and guarded(scope["path"]) and not self.authorized(Headers(scope=scope)):
+            response = error_response(401, "a missing or wrong API key: send `Authorization: Bearer <key>`",
+                                      "invalid_request_error")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def authorized(self, headers: Headers) -> bool:
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        # digests, not keys: compare_digest takes the same time whatever was sent, its length too (vLLM's way);
+        # latin-1 gives back the header's bytes as sent (Starlette decodes it so)
+        sent = hashlib.sha256(key.encode("latin-1")).digest()
+        return hmac.compare_digest(sent, self.digest) and scheme.lower() == "bearer"
+
+
+class BodyLimitMiddleware:
+    """A request body over `limit` bytes gets 400 before the app reads any of it: at once by its Content-Length,
+    else (chunked) as soon as the bytes come to more; a body within the limit reaches the app as it came."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None:  # the HTTP parser holds the body to it
+            await (self.app if int(declared) <= self.limit else self.refusal())(scope, receive, send)
+            return
+        read: list[Message] = []
+        size = 0
+        while not read or (read[-1]["type"] == "http.request" and read[-1].get("more_body", False)):
+            read.append(await receive())
+            size += len(read[-1].get("body", b""))
+            if size > self.limit:
+                await self.refusal()(scope, receive, send)
+                return
+        pending = iter(read)
+
+        async def replay() -> Message:
+            return next(pending, None) or await receive()
+
+        await self.app(scope, replay, send)
+
+    def refusal(self) -> JSONResponse:
+        return error_response(400, f"the request body is over {self.limit} bytes, the most this server reads "
+                                   "(--max-request-body-bytes)", "invalid_request_error")
+
+
+def weft_version() -> str:
+    try:
+        return importlib.metadata.version("weft")
+    except importlib.metadata.PackageNotFoundError:  # a checkout run as PYTHONPATH=., not installed
+        return "unknown"
+
+
+def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The app over a started engine process; outputs flow while the app runs, and the engine process
-    stops when the app shuts down (lifespan)."""
-    metrics = ServerMetrics(aengine)
+    stops when the app shuts down (lifespan). `api_key`: what guarded paths need (None: nothing)."""
+    metrics = ServerMetrics(lambda: aengine.snapshot, served_model_name, aengine.info.max_model_len)
+    # one thread: the event loop serves streams while a long text is tokenized (seconds a megabyte), and
+    # HF tokenizers are not thread-safe
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="weft-tokenizer")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         aengine.start()
         yield
         aengine.stop()
+        tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="weft", lifespan=lifespan)
     app.state.engine = aengine
+    app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes)
+    if api_key is not None:
+        app.add_middleware(AuthenticationMiddleware, api_key=api_key)  # added last, so it runs first
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -120,14 +227,71 @@ def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """SageMaker's health check, answered as /health (vLLM's)."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": weft_version()}
+
+    def check_model(model: str | None) -> str:
+        """The served model's name for a request's `model`: one without it is the served model's (vLLM's); another
+        name is 404."""
+        if model is not None and model != served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves `{served_model_name}`).",
+                           "NotFoundError", "model")
+        return served_model_name
+
+    async def tokenizing(call: Callable[[Any], Any]) -> Any:
+        """call(the model's tokenizer), on the tokenizer's thread; 400 for a model without one."""
+        if aengine.tokenizer is None:
+            raise APIError(400, f"model {served_model_name!r} has no tokenizer (random weights): /tokenize and "
+                                "/detokenize need one")
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, call, aengine.tokenizer)
+
+    @app.post("/tokenize")
+    async def tokenize(body: Annotated[dict[str, Any], Body()]) -> TokenizeResponse:
+        """vLLM's two bodies: a conversation (`messages`) or a text `prompt`."""
+        kind = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+        try:
+            request = kind.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        check_model(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            try:
+                tokens = await tokenizing(partial(chat_prompt, messages=request.messages, model_name=served_model_name,
+                                                  add_generation_prompt=request.add_generation_prompt,
+                                                  add_special_tokens=request.add_special_tokens))
+            except (ValueError, TypeError) as e:
+                raise refusal(e) from None
+        else:
+            tokens = await tokenizing(lambda t: t.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+        strs = await tokenizing(lambda t: t.convert_ids_to_tokens(tokens)) if request.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=aengine.info.max_model_len, tokens=tokens,
+                                token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(request.model)
+        tokens, vocab = request.tokens, aengine.vocab_size
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise APIError(400, f"tokens must be a list of token ids, got {tokens!r:.60}", param="tokens")
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens holds token id {bad}, outside the vocabulary [0, {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=await tokenizing(lambda t: t.decode(tokens)))
+
     def start(
         request: GenerationRequest, prompts: list[object], labels: list[str]
     ) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
         """Checks that need no engine, then each prompt's stream (`labels` name them in errors): deltas when the
         client streams, else one final output each."""
-        if request.model != served_model_name:
-            raise APIError(404, f"The model `{request.model}` does not exist (this server serves "
-                                f"`{served_model_name}`).", "NotFoundError", "model")
+        request.model = check_model(request.model)  # the responses name it
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
         bad = request.unsupported()
         if bad is not None:
             raise APIError(400, f"{bad} is not supported by weft", param=bad)
@@ -147,16 +311,22 @@ def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
             raise refusal(e) from None
         if not prompts:
             raise APIError(400, "prompt is empty: send text, token ids, or a list of them", param="prompt")
+        if request.echo and aengine.tokenizer is None:
+            raise APIError(400, f"echo needs a tokenizer to decode the prompt, and {served_model_name!r} has none",
+                           param="echo")
         labels = ["prompt"] if len(prompts) == 1 else [f"prompt {i}" for i in range(len(prompts))]
         rid, streams = start(request, prompts, labels)
         firsts = await first_outputs(raw, streams)
+        tokenizer = aengine.tokenizer
         if request.stream:
-            return sse(completion_chunks(f"cmpl-{rid}", request, streams, firsts, metrics))
-        usage, k = Usage(), request.num_logprobs()
-        choices = [CompletionChoice(index=i, text=out.outputs[0].text, finish_reason=out.outputs[0].finish_reason,
-                                    stop_reason=out.outputs[0].stop_reason, logprobs=completion_logprobs([out], k),
-                                    **token_fields(request, out))
-                   for i, out in enumerate(await finished(streams, firsts, metrics, usage))]
+            return sse(completion_chunks(f"cmpl-{rid}", request, streams, firsts, metrics, tokenizer))
+        usage, k, n = Usage(), request.num_logprobs(), request.sampling_params().n
+        outs = await finished(streams, firsts, metrics, usage, request.sampling_params())
+        choices = [CompletionChoice(index=i * n + c.index, text=echoed(request, out, tokenizer) + c.text,
+                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                    logprobs=completion_logprobs(out, c, k, tokenizer if request.echo else None),
+                                    prompt_logprobs=prompt_logprobs(request, out), **token_fields(request, out, c))
+                   for i, out in enumerate(outs) for c in out.outputs]
         body = CompletionResponse(id=f"cmpl-{rid}", model=request.model, choices=choices, usage=usage.info())
         return JSONResponse(body.model_dump())
 
@@ -167,13 +337,14 @@ def build_app(aengine: AsyncEngine, served_model_name: str) -> FastAPI:
         if request.stream:
             return sse(chat_chunks(f"chatcmpl-{rid}", request, streams[0], first, metrics))
         usage = Usage()
-        (out,) = await finished(streams, [first], metrics, usage)
-        c = out.outputs[0]
-        choice = ChatCompletionChoice(index=0, message=ChatMessage(role="assistant", content=c.text),
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                      logprobs=chat_logprobs([out], request.num_logprobs()),
-                                      **token_fields(request, out))
-        body = ChatCompletionResponse(id=f"chatcmpl-{rid}", model=request.model, choices=[choice], usage=usage.info())
+        (out,) = await finished(streams, [first], metrics, usage, request.sampling_params())
+        choices = [ChatCompletionChoice(index=c.index, message=ChatMessage(role="assistant", content=c.text),
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                        logprobs=chat_logprobs(c, request.num_logprobs()),
+                                        **token_fields(request, out, c))
+                   for c in out.outputs]
+        body = ChatCompletionResponse(id=f"chatcmpl-{rid}", model=request.model, choices=choices, usage=usage.info(),
+                                      prompt_logprobs=prompt_logprobs(request, out))
         return JSONResponse(body.model_dump())
 
     return app
@@ -273,27 +444,49 @@ def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k), key=lambda e: e[1].rank)
 
 
-def _positions(outs: list[RequestOutput]) -> list[tuple[int, dict[int, Logprob]]]:
-    """(token, its logprobs) of every token the pieces carry."""
-    return [(t, e) for o in outs for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=False)]
+def _positions(c: CompletionOutput) -> list[tuple[int, dict[int, Logprob]]]:
+    """(token, its logprobs) of every token the completion (or its piece) carries."""
+    return list(zip(c.token_ids, c.logprobs or [], strict=False))
 
 
-def completion_logprobs(outs: list[RequestOutput], k: int | None, offset: int = 0) -> CompletionLogprobs | None:
-    """The legacy completions API's logprobs of the pieces' tokens (None unless asked); `offset`: where the
-    pieces' text starts in the completion's."""
+def echoed(request: CompletionRequest, out: RequestOutput, tokenizer: Any) -> str:
+    """The text an echoing completion begins with: its prompt's, as sent or decoded."""
+    if not request.echo:
+        return ""
+    return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+
+
+def prompt_logprobs(request: GenerationRequest, out: RequestOutput) -> list[dict[int, dict] | None] | None:
+    """vLLM's prompt_logprobs, where the request asked for them: per prompt token {token id: {logprob, rank,
+    decoded_token}}, None for the first."""
+    if request.prompt_logprobs is None or out.prompt_logprobs is None:
+        return None
+    return [None if e is None else {t: dataclasses.asdict(lp) for t, lp in e.items()} for e in out.prompt_logprobs]
+
+
+def completion_logprobs(out: RequestOutput, c: CompletionOutput, k: int | None, echo: Any = None,
+                        offset: int = 0) -> CompletionLogprobs | None:
+    """The legacy completions API's logprobs of a completion's (or its piece's) tokens, None unless asked; each
+    position's top_logprobs hold its token and the k likeliest (vLLM's); `echo` (the tokenizer, when echoing): the
+    prompt's tokens first, the first without a logprob; `offset`: where the text starts in the choice's."""
     if k is None:
         return None
-    positions = _positions(outs)
-    texts = [_token_text(t, e) for t, e in positions]
+    positions: list[tuple[int, dict[int, Logprob] | None]] = []
+    if echo is not None:
+        positions += zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids), strict=True)
+    positions += _positions(c)
+    texts = [_token_text(t, e) if e is not None else echo.decode([t]) for t, e in positions]
     starts = [offset + sum(len(x) for x in texts[:i]) for i in range(len(texts))]
     return CompletionLogprobs(
-        tokens=texts, token_logprobs=[e[t].logprob for t, e in positions], text_offset=starts,
-        top_logprobs=[{_token_text(a, e): lp.logprob for a, lp in _ranked(e, k)} for _, e in positions],
+        tokens=texts, token_logprobs=[e[t].logprob if e is not None else None for t, e in positions],
+        text_offset=starts,
+        top_logprobs=[{_token_text(a, e): lp.logprob for a, lp in [(t, e[t]), *_ranked(e, k)]} if e is not None
+                      else None for t, e in positions],
     )  # fmt: skip
 
 
-def chat_logprobs(outs: list[RequestOutput], k: int | None) -> ChatLogprobs | None:
-    """The chat API's logprobs of the pieces' tokens (None unless asked)."""
+def chat_logprobs(c: CompletionOutput, k: int | None) -> ChatLogprobs | None:
+    """The chat API's logprobs of a completion's (or its piece's) tokens (None unless asked)."""
     if k is None:
         return None
 
@@ -303,40 +496,51 @@ def chat_logprobs(outs: list[RequestOutput], k: int | None) -> ChatLogprobs | No
 
     return ChatLogprobs(content=[
         TokenLogprob(**top(t, e, e[t]), top_logprobs=[TopLogprob(**top(a, e, lp)) for a, lp in _ranked(e, k)])
-        for t, e in _positions(outs)
+        for t, e in _positions(c)
     ])  # fmt: skip
 
 
 async def finished(
-    streams: list[AsyncIterator[RequestOutput]], outs: list[RequestOutput], metrics: ServerMetrics, usage: Usage
+    streams: list[AsyncIterator[RequestOutput]], outs: list[RequestOutput], metrics: ServerMetrics, usage: Usage,
+    params: SamplingParams,
 ) -> list[RequestOutput]:
     """Finished requests' outputs (each whole, the last of its stream, which is closed now), counted in `usage`
     and the latency histograms."""
     await close(streams)
     for out in outs:
-        metrics.finished(out)
-        usage.add(out, len(out.outputs[0].token_ids))
+        metrics.finished(out, params)
+        usage.add(out, sum(len(c.token_ids) for c in out.outputs))
     return outs
 
 
 class Usage:
+    """Token counts of a response: each prompt once (n completions share it), every completion's tokens."""
+
     def __init__(self) -> None:
-        self.prompt = self.completion = 0
+        self.prompt = self.completion = self.cached = 0
 
     def add(self, out: RequestOutput, completion_tokens: int) -> None:
         self.prompt += len(out.prompt_token_ids)
+        self.cached += out.num_cached_tokens or 0
         self.completion += completion_tokens
 
     def info(self) -> UsageInfo:
         return UsageInfo(prompt_tokens=self.prompt, completion_tokens=self.completion,
-                         total_tokens=self.prompt + self.completion)
+                         total_tokens=self.prompt + self.completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached))
 
 
-def token_fields(request: GenerationRequest, out: RequestOutput) -> dict[str, list[int]]:
+def running_usage(out: RequestOutput, completion_tokens: int) -> UsageInfo:
+    """stream_options.continuous_usage_stats: a chunk's prompt and its choice's tokens so far."""
+    prompt = len(out.prompt_token_ids)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
+
+
+def token_fields(request: GenerationRequest, out: RequestOutput, c: CompletionOutput) -> dict[str, list[int]]:
     """A finished choice's token ids and its prompt's, where the request asks for them (return_token_ids)."""
     if not request.return_token_ids:
         return {}
-    return {"token_ids": out.outputs[0].token_ids, "prompt_token_ids": out.prompt_token_ids}
+    return {"token_ids": c.token_ids, "prompt_token_ids": out.prompt_token_ids}
 
 
 def sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -348,23 +552,33 @@ def event(body: str) -> str:
 
 
 async def completion_chunks(
-    rid: str, request: CompletionRequest, streams: list, firsts: list[RequestOutput], metrics: ServerMetrics
+    rid: str, request: CompletionRequest, streams: list, firsts: list[RequestOutput], metrics: ServerMetrics,
+    tokenizer: Any,
 ) -> AsyncIterator[str]:
-    created, usage, k = int(time.time()), Usage(), request.num_logprobs()
-    counts, offsets = [0] * len(streams), [0] * len(streams)
+    """Each choice's pieces as they come (choice i * n + j: prompt i's completion j), then the usage if asked."""
+    created, usage, k, n = int(time.time()), Usage(), request.num_logprobs(), request.sampling_params().n
+    counts: dict[int, int] = {}  # tokens so far, per choice
+    offsets: dict[int, int] = {}  # characters so far, per choice
     try:
         async for i, out in merged(streams, firsts):
-            c = out.outputs[0]
-            counts[i] += len(c.token_ids)
-            logprobs = completion_logprobs([out], k, offsets[i])
-            offsets[i] += len(c.text)
-            choice = CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                      logprobs=logprobs, token_ids=c.token_ids if request.return_token_ids else None)
-            yield event(CompletionResponse(id=rid, created=created, model=request.model, choices=[choice])
-                        .model_dump_json(exclude_none=True))
+            for c in out.outputs:
+                index = i * n + c.index
+                opening = index not in counts
+                prefix = echoed(request, firsts[i], tokenizer) if opening else ""
+                counts[index] = counts.get(index, 0) + len(c.token_ids)
+                echo = tokenizer if opening and request.echo else None
+                logprobs = completion_logprobs(firsts[i], c, k, echo, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(prefix) + len(c.text)
+                choice = CompletionChoice(index=index, text=prefix + c.text, finish_reason=c.finish_reason,
+                                          stop_reason=c.stop_reason, logprobs=logprobs,
+                                          prompt_logprobs=prompt_logprobs(request, firsts[i]) if opening else None,
+                                          token_ids=c.token_ids if request.return_token_ids else None)
+                chunk_usage = running_usage(firsts[i], counts[index]) if request.continuous_usage else None
+                yield event(CompletionResponse(id=rid, created=created, model=request.model, choices=[choice],
+                                               usage=chunk_usage).model_dump_json(exclude_none=True))
             if out.finished:
-                metrics.finished(out)
-                usage.add(out, counts[i])
+                metrics.finished(out, request.sampling_params())
+                usage.add(firsts[i], sum(counts.get(i * n + j, 0) for j in range(n)))
         if request.include_usage:
             yield event(CompletionResponse(id=rid, created=created, model=request.model, choices=[],
                                            usage=usage.info()).model_dump_json(exclude_none=True))
@@ -378,31 +592,32 @@ async def chat_chunks(
     rid: str, request: ChatCompletionRequest, stream: AsyncIterator[RequestOutput], first: RequestOutput,
     metrics: ServerMetrics,
 ) -> AsyncIterator[str]:
-    created, count = int(time.time()), 0
+    """A role chunk per choice, then each choice's pieces as they come, then the usage if asked."""
+    created, n = int(time.time()), request.sampling_params().n
+    counts = [0] * n
 
-    def chunk(delta: DeltaMessage, out: RequestOutput | None = None, usage: UsageInfo | None = None) -> str:
-        choices = []
-        if usage is None:
-            c = out.outputs[0] if out is not None else None
-            choices.append(ChatCompletionStreamChoice(
-                index=0, delta=delta, finish_reason=c and c.finish_reason, stop_reason=c and c.stop_reason,
-                logprobs=chat_logprobs([out], request.num_logprobs()) if out is not None else None,
-                token_ids=c.token_ids if c is not None and request.return_token_ids else None,
-            ))  # fmt: skip
-        body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=choices, usage=usage)
+    def chunk(choice: ChatCompletionStreamChoice | None, usage: UsageInfo | None = None) -> str:
+        body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model,
+                                            choices=[choice] if choice is not None else [], usage=usage)
         return event(body.model_dump_json(exclude_none=True))
 
     try:
-        yield chunk(DeltaMessage(role="assistant", content=""))
+        for j in range(n):
+            yield chunk(ChatCompletionStreamChoice(index=j, delta=DeltaMessage(role="assistant", content="")))
         async for _, out in merged([stream], [first]):
-            count += len(out.outputs[0].token_ids)
-            yield chunk(DeltaMessage(content=out.outputs[0].text), out)
+            for c in out.outputs:
+                counts[c.index] += len(c.token_ids)
+                yield chunk(ChatCompletionStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text), finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason, logprobs=chat_logprobs(c, request.num_logprobs()),
+                    token_ids=c.token_ids if request.return_token_ids else None,
+                ), running_usage(first, counts[c.index]) if request.continuous_usage else None)  # fmt: skip
             if out.finished:
-                metrics.finished(out)
+                metrics.finished(out, request.sampling_params())
                 if request.include_usage:
                     usage = Usage()
-                    usage.add(out, count)
-                    yield chunk(DeltaMessage(), usage=usage.info())
+                    usage.add(first, sum(counts))
+                    yield chunk(None, usage.info())
     except EngineDead as e:
         yield event(ErrorResponse(error=ErrorInfo(message=str(e), type="service_unavailable", code=503))
                     .model_dump_json(exclude_none=True))

@@ -1,6 +1,7 @@
 """AsyncEngine: one LLMEngine in a process of its own, fed and drained from the server's event loop.
 
-The engine process owns the model, the tokenizer and the GPU: every call into the engine
+The engine process owns the model, the tokenizer and the GPU (the server loads a copy of the tokenizer
+for /tokenize and /detokenize, and no more): every call into the engine
 (checking and queueing a request, aborting one, stepping) runs there, between steps, and the
 event loop never waits on the GPU nor shares an interpreter lock with the engine's host work.
 Commands go down one pipe and each step's pieces come back up another, as the typed messages of
@@ -22,6 +23,7 @@ from weft.inference.chat import chat_prompt
 from weft.inference.config import EngineConfig
 from weft.inference.outputs import CompletionOutput, EngineSnapshot, EngineStats, RequestOutput
 from weft.inference.params import RequestOutputKind, SamplingParams
+from weft.models.loader import resolve_model
 from weft.serve.messages import (
     AbortRequest,
     AddRequest,
@@ -70,6 +72,10 @@ class AsyncEngine:
             self.process.join(STOP_WAIT_S)
             raise ValueError(first.reason)
         self.info = first
+        # the server's own copy of the tokenizer (for /tokenize, /detokenize), as vLLM's API server holds one: the
+        # engine process is not asked, so tokenizing waits on no step and takes no time from one
+        source = resolve_model(config.model)
+        self.tokenizer, self.vocab_size = source.tokenizer, source.config.V
         self.snapshot = EngineSnapshot(0, 0, 0, first.num_blocks, EngineStats())  # as of the engine's last message
         self.streams: dict[str, asyncio.Queue] = {}  # the event loop's alone
         self.prompts: dict[str, list[int]] = {}  # each unfinished request's prompt ids, from its first piece
@@ -159,10 +165,10 @@ class AsyncEngine:
                 continue
             if piece.prompt_token_ids is not None:
                 self.prompts[piece.request_id] = piece.prompt_token_ids
-            completion = CompletionOutput(0, piece.text, piece.token_ids, piece.finish_reason, piece.stop_reason,
-                                          piece.logprobs)
-            stream.put_nowait(RequestOutput(piece.request_id, None, self.prompts[piece.request_id], [completion],
-                                            piece.finish_reason is not None, piece.metrics))
+            stream.put_nowait(RequestOutput(piece.request_id, piece.prompt, self.prompts[piece.request_id],
+                                            piece.completions,
+                                            piece.finished, piece.metrics, piece.prompt_logprobs,
+                                            piece.num_cached_tokens))
 
     def _die(self, reason: str) -> None:
         """On the loop: the engine is gone; every request still streaming gets EngineDead."""
@@ -193,13 +199,20 @@ class AsyncEngine:
 
 
 def joined(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two successive DELTA outputs of one request as one: tokens, text and logprobs in order, the
-    later one's finish and timings."""
-    a, b = first.outputs[0], later.outputs[0]
-    logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else None
-    completion = CompletionOutput(0, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason, b.stop_reason,
-                                  logprobs)
-    return RequestOutput(first.request_id, None, first.prompt_token_ids, [completion], later.finished, later.metrics)
+    """Two successive DELTA outputs of one request as one: each completion's tokens, text and logprobs in order
+    (by index), the later one's finish and timings, the first's prompt logprobs and cached count."""
+    merged = {c.index: c for c in first.outputs}
+    for b in later.outputs:
+        a = merged.get(b.index)
+        if a is None:
+            merged[b.index] = b
+            continue
+        logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else None
+        merged[b.index] = CompletionOutput(b.index, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason,
+                                           b.stop_reason, logprobs)
+    return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids,
+                         sorted(merged.values(), key=lambda c: c.index),
+                         later.finished, later.metrics, first.prompt_logprobs, first.num_cached_tokens)
 
 
 # ---- the engine process -----------------------------------------------------------------------------
@@ -257,6 +270,7 @@ def _add(engine, command: AddRequest) -> None:
 
 
 def _piece(out: RequestOutput, first: bool) -> Piece:
-    c = out.outputs[0]
-    return Piece(out.request_id, c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs,
-                 out.prompt_token_ids if first else None, out.metrics if out.finished else None)
+    return Piece(out.request_id, out.outputs, out.finished, out.prompt if first else None,
+                 out.prompt_token_ids if first else None,
+                 out.prompt_logprobs if first else None, out.num_cached_tokens if first else None,
+                 out.metrics if out.finished else None)

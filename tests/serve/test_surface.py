@@ -1,0 +1,275 @@
+"""The server's surface beyond generation, as vLLM's: --api-key (401 in OpenAI's shape on /v1/..., /tokenize and
+/detokenize; /health, /ping, /metrics, /version open), /tokenize and /detokenize (the tokenizer's own answers),
+`model` optional, stream_options only with stream: true, and request bodies over --max-request-body-bytes refused
+before they are read. One server for the module, over tiny-llama's weights with a word-level tokenizer that adds a
+BOS and has a chat template (cheap, and no download); `weft serve`'s flags are checked on its parser."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import socket
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from tokenizers.processors import TemplateProcessing
+from transformers import AutoTokenizer
+
+from tests.serve.servers import in_process_server
+from weft.benchmark.peer import write_checkpoint
+from weft.cli import build_parser
+from weft.inference.config import EngineConfig
+from weft.serve.api_server import build_app
+from weft.serve.messages import EngineReady
+
+pytestmark = pytest.mark.serve
+NAME = "tiny-chat"
+KEY = "s3cret-key"
+LIMIT = 65536  # --max-request-body-bytes
+BOS = 1  # "t1": the tokenizer's own special token
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+            "t2 {{ m['content'] }} t3 {% endfor %}{% if add_generation_prompt %}t4{% endif %}")
+CHAT = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7"}, {"role": "user", "content": "t8"}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """tiny-llama's weights with a word-level tokenizer ("t5 t17" is the ids 5, 17, and back), which puts t1 first as
+    its BOS, and a chat template."""
+    path = write_checkpoint("tiny-llama", torch.float32, tmp_path_factory.mktemp("tiny-chat"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="t1 $A", special_tokens=[("t1", BOS)])
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, device) -> str:
+    """The module's one server, with an API key and a small body limit (build_app here: no interpreter to start)."""
+    config = EngineConfig(str(checkpoint), num_blocks=64, block_size=4, max_num_seqs=2, max_model_len=128,
+                          device=device)
+    with in_process_server(config, NAME, api_key=KEY, max_request_body_bytes=LIMIT) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server, api_key=KEY, max_retries=0)
+
+
+def root(server: str) -> str:
+    return server.removesuffix("/v1")
+
+
+def post(server: str, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
+    """POST to `path` (under the server's root: "v1/completions", "tokenize"), with the key unless None."""
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.post(f"{root(server)}/{path}", json=body, headers=headers, timeout=60)
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    """The OpenAI-shaped error a response must be."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status and error["message"]
+    return error
+
+
+# ---- --api-key -----------------------------------------------------------------------------------------------
+
+
+def test_the_key_opens_v1_tokenize_and_detokenize_and_nothing_else_needs_it(server, client):
+    assert client.completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=3).usage.completion_tokens == 3
+    assert [m.id for m in client.models.list().data] == [NAME]
+    for wrong in (KEY + "x", KEY[:-1], "wrong"):
+        other = openai.OpenAI(base_url=server, api_key=wrong, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            other.completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=3)
+        with pytest.raises(openai.AuthenticationError):
+            other.chat.completions.create(model=NAME, messages=CHAT, max_tokens=3)
+        with pytest.raises(openai.AuthenticationError):
+            other.models.list()
+    for path, body in (("v1/completions", {"prompt": [5], "max_tokens": 1}),
+                       ("v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+                       ("tokenize", {"prompt": "t5"}), ("detokenize", {"tokens": [5]})):
+        assert error_of(post(server, path, body, key=None), 401)["type"] == "invalid_request_error"
+        assert error_of(post(server, path, body, key="wrong"), 401)
+        basic = httpx.post(f"{root(server)}/{path}", json=body, headers={"Authorization": f"Basic {KEY}"})
+        assert error_of(basic, 401)
+        assert post(server, path, body).status_code == 200, path
+    assert httpx.get(f"{server}/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200  # any case
+    assert error_of(httpx.get(f"{server}/models"), 401)
+    for path in ("health", "ping", "metrics", "version"):
+        assert httpx.get(f"{root(server)}/{path}").status_code == 200, path
+    assert httpx.post(f"{root(server)}/ping").status_code == 200  # SageMaker's, as vLLM serves it
+    assert httpx.get(f"{root(server)}/version").json() == {"version": importlib.metadata.version("weft")}
+
+
+def test_api_key_from_the_flag_else_the_environment(monkeypatch):
+    monkeypatch.setenv("WEFT_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve", "m"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "m", "--api-key", "from-flag"]).api_key == "from-flag"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--api-key", ""])  # an empty key would serve without one
+    monkeypatch.setenv("WEFT_API_KEY", "")
+    assert build_parser().parse_args(["serve", "m"]).api_key is None
+
+
+# ---- model, stream_options -----------------------------------------------------------------------------------
+
+
+def test_a_request_without_model_is_the_served_models(server, client):
+    completion = post(server, "v1/completions", {"prompt": [5, 6], "max_tokens": 2})
+    assert completion.status_code == 200 and completion.json()["model"] == NAME
+    chat = post(server, "v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "model": None})
+    assert chat.status_code == 200 and chat.json()["model"] == NAME
+    for path, body in (("v1/completions", {"prompt": [5]}), ("tokenize", {"prompt": "t5"}),
+                       ("tokenize", {"messages": CHAT}), ("detokenize", {"tokens": [5]})):
+        assert error_of(post(server, path, {**body, "model": "gpt-4"}), 404)["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=CHAT)
+
+
+def test_stream_options_need_stream_true(server, client):
+    for path, body in (("v1/completions", {"prompt": [5, 6]}), ("v1/chat/completions", {"messages": CHAT})):
+        for stream in (False, None):  # None: left out
+            options = {"stream_options": {"include_usage": True}, **({} if stream is None else {"stream": stream})}
+            assert error_of(post(server, path, {**body, **options}), 400)["param"] == "stream_options"
+    with pytest.raises(openai.BadRequestError, match="stream=True"):
+        client.completions.create(model=NAME, prompt=[5], max_tokens=2, stream_options={"include_usage": True})
+    chunks = list(client.completions.create(model=NAME, prompt=[5], max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 2
+
+
+# ---- /tokenize, /detokenize -----------------------------------------------------------------------------------
+
+
+def test_tokenize_answers_the_tokenizers_tokens(server, client, tokenizer):
+    context = client.models.list().data[0].model_extra["max_model_len"]
+    for special in (True, False):
+        got = post(server, "tokenize", {"prompt": "t5 t6 t7", "add_special_tokens": special}).json()
+        tokens = tokenizer.encode("t5 t6 t7", add_special_tokens=special)
+        assert got == {"count": len(tokens), "max_model_len": context, "tokens": tokens, "token_strs": None}
+    assert post(server, "tokenize", {"prompt": "t5 t6"}).json()["tokens"] == [BOS, 5, 6]  # a prompt's default: BOS
+    for generation in (True, False):
+        for special in (True, False):
+            body = {"messages": CHAT, "add_generation_prompt": generation, "add_special_tokens": special}
+            text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=generation, tokenize=False)
+            assert post(server, "tokenize", body).json()["tokens"] == tokenizer.encode(text, add_special_tokens=special)
+    strs = post(server, "tokenize", {"prompt": "t5 t9", "return_token_strs": True}).json()["token_strs"]
+    assert strs == ["t1", "t5", "t9"]
+    chat = post(server, "v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "return_token_ids": True}).json()
+    assert post(server, "tokenize", {"messages": CHAT}).json()["tokens"] == chat["choices"][0]["prompt_token_ids"]
+    assert post(server, "detokenize", {"tokens": [5, 6, 511]}).json() == {"prompt": "t5 t6 t511"}
+    assert post(server, "detokenize", {"tokens": [], "model": NAME}).json() == {"prompt": ""}
+
+
+TOKENIZE_BAD = [
+    ("detokenize", {"tokens": [5, 512]}, "tokens"),  # tiny-llama's vocabulary: [0, 512)
+    ("detokenize", {"tokens": [-1]}, "tokens"),
+    ("detokenize", {"tokens": ["5"]}, "tokens"),
+    ("detokenize", {"tokens": [True]}, "tokens"),
+    ("detokenize", {"tokens": 5}, "tokens"),
+    ("detokenize", {}, "tokens"),
+    ("tokenize", {}, "prompt"),
+    ("tokenize", {"prompt": [5, 6]}, "prompt"),
+    ("tokenize", {"prompt": "t5", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("tokenize", {"messages": [{"role": None, "content": "t5"}]}, "messages"),
+    ("tokenize", {"messages": "t5"}, "messages"),
+    ("tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+    ("tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("tokenize", {"messages": CHAT, "chat_template": "{{ 'x' }}"}, "chat_template"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), TOKENIZE_BAD, ids=[f"{p} {b}" for p, b, _ in TOKENIZE_BAD])
+def test_tokenize_and_detokenize_refuse_what_they_cannot_answer(server, path, body, param):
+    assert error_of(post(server, path, body), 400)["param"] == param
+
+
+class Tokenizerless:
+    """What build_app uses of an AsyncEngine, for a model without a tokenizer (random weights)."""
+
+    info = EngineReady("tiny-llama", max_model_len=64, num_blocks=16)
+    tokenizer, vocab_size = None, 512
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def test_a_model_without_a_tokenizer_answers_400():
+    with TestClient(build_app(Tokenizerless(), "tiny-llama")) as http:
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/tokenize", {"messages": CHAT}),
+                           ("/detokenize", {"tokens": [1, 2]})):
+            response = http.post(path, json=body)
+            assert response.status_code == 400 and "has no tokenizer" in response.json()["error"]["message"], path
+
+
+# ---- --max-request-body-bytes ---------------------------------------------------------------------------------
+
+
+def padded(size: int) -> bytes:
+    """A completion's JSON body of exactly `size` bytes (an unknown field, ignored, pads it)."""
+    head, tail = b'{"prompt": [5, 6], "max_tokens": 1, "pad": "', b'"}'
+    return head + b"x" * (size - len(head) - len(tail)) + tail
+
+
+def raw(server: str, head: bytes) -> bytes:
+    """What the server answers to `head` (a request's start, its body unsent or unfinished): read until a JSON body
+    has come, the server closes, or 5 s pass."""
+    host, port = root(server).removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(head)
+        answer = b""
+        try:
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                if not (chunk := s.recv(65536)):
+                    break
+                answer += chunk
+        except TimeoutError:
+            pass
+    return answer
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    url = f"{server}/completions"
+    assert httpx.post(url, content=padded(LIMIT), headers=headers).status_code == 200
+    error = error_of(httpx.post(url, content=padded(LIMIT + 1), headers=headers), 400)
+    assert str(LIMIT) in error["message"] and "--max-request-body-bytes" in error["message"]
+
+    def chunked(body: bytes):  # no Content-Length: httpx sends it chunked
+        yield from (body[i:i + 1000] for i in range(0, len(body), 1000))
+
+    assert httpx.post(url, content=chunked(padded(LIMIT)), headers=headers).status_code == 200
+    assert error_of(httpx.post(url, content=chunked(padded(LIMIT + 1)), headers=headers), 400)
+    start = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+             "Content-Type: application/json\r\n").encode()
+    declared = raw(server, start + b"Content-Length: 1000000000000\r\n\r\n")  # a terabyte, none of it sent
+    assert declared.startswith(b"HTTP/1.1 400") and b"--max-request-body-bytes" in declared
+    first = padded(LIMIT + 1)
+    unfinished = raw(server, start + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % len(first) + first + b"\r\n")
+    assert unfinished.startswith(b"HTTP/1.1 400") and b"--max-request-body-bytes" in unfinished
+    keyless = raw(server, start.replace(KEY.encode(), b"wrong") + b"Content-Length: 1000000000000\r\n\r\n")
+    assert keyless.startswith(b"HTTP/1.1 401")  # the key is checked first
+    assert post(server, "v1/completions", {"prompt": [5, 6], "max_tokens": 2}).status_code == 200
+
+
+def test_a_conversation_the_template_refuses_gets_400_and_the_engine_lives_on(server):
+    system = [{"role": "system", "content": "t5"}]  # TEMPLATE raises for a system turn
+    for path in ("v1/chat/completions", "tokenize"):
+        error = error_of(post(server, path, {"messages": system, "max_tokens": 2}), 400)
+        assert error["param"] == "messages" and "no system turns" in error["message"], path
+    assert httpx.get(f"{root(server)}/health").status_code == 200
+    assert post(server, "v1/chat/completions", {"messages": CHAT, "max_tokens": 2}).status_code == 200

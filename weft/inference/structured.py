@@ -1,0 +1,214 @@
+"""Structured outputs: a JSON schema, a regex, a choice of strings or an EBNF grammar constrains each
+generated token, through xgrammar.
+
+Per engine, a `GrammarCompiler` (from the tokenizer) compiles each request's `StructuredOutputsParams`
+once; per request, a `Matcher` follows the tokens generated so far. Each step, every constrained
+request's matcher fills its row of an int32 bitmask [R, ceil(V / 32)] on the CPU (bit j of word w
+allows token 32 w + j), the bitmask moves to the logits' device, and `apply_bitmask` sets every
+forbidden logit to -inf before sampling. xgrammar is imported at first use: `import weft` stays light.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+
+from weft.errors import ParamTypeError, ParamValueError
+from weft.utils import cdiv
+
+if TYPE_CHECKING:
+    import xgrammar
+
+PARAM = "structured_outputs"
+_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+# xgrammar's errors open with "[hh:mm:ss] /project/cpp/file.cc:line: ", which says nothing to the user
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match: exactly one field set (vLLM's StructuredOutputsParams names)."""
+
+    json: str | dict | None = None  # a JSON schema, as a dict or its JSON text
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None  # the output is exactly one of these; kept as a tuple
+    grammar: str | None = None  # EBNF as xgrammar reads it (GBNF-style), root rule `root`
+    json_object: bool = False  # any JSON object
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str | dict):
+            _type_error(f"json must be a JSON schema (a dict or its JSON text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                _type_error(f"{name} must be a string, got {type(value).__name__}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple):
+                _type_error(f"choice must be a list of strings, got {type(self.choice).__name__}")
+            for i, option in enumerate(self.choice):
+                if not isinstance(option, str):
+                    _type_error(f"choice[{i}] must be a string, got {type(option).__name__}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.json_object, bool):
+            _type_error(f"json_object must be a bool, got {type(self.json_object).__name__}")
+
+        chosen = [name for name in _FIELDS if getattr(self, name) not in (None, False)]
+        if len(chosen) != 1:
+            got = " and ".join(chosen) if chosen else "none"
+            raise ParamValueError(f"{PARAM}: set exactly one of {', '.join(_FIELDS)}; got {got}", param=PARAM)
+        if self.choice is not None:
+            if not self.choice:
+                _value_error("choice is empty: give at least one string")
+            if "" in self.choice:
+                _value_error(f"choice[{self.choice.index('')}] is empty")
+        if self.grammar is not None and not self.grammar.strip():
+            _value_error("grammar is empty")
+        field = chosen[0]
+        # a schema keys by its compact text: a dict and its JSON text share one compiled grammar
+        value = _schema_text(self.json) if field == "json" else getattr(self, field)
+        object.__setattr__(self, "_key", (field, value))
+
+    def key(self) -> tuple:
+        """A hashable key for the compiled grammar: (field, value), a schema as compact JSON text."""
+        return self._key
+
+    def __hash__(self) -> int:  # a dict schema would make the generated hash fail
+        return hash(self._key)
+
+
+def _type_error(message: str) -> NoReturn:
+    raise ParamTypeError(f"{PARAM}.{message}", param=PARAM)
+
+
+def _value_error(message: str) -> NoReturn:
+    raise ParamValueError(f"{PARAM}.{message}", param=PARAM)
+
+
+def _schema_text(schema: str | dict) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            _value_error(f"json is not valid JSON text: {e}")
+    if not isinstance(schema, dict):
+        _value_error(f"json must be a JSON schema object, got a JSON {type(schema).__name__}")
+    try:
+        # keys keep their order: the output writes an object's properties in the schema's order
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except TypeError as e:
+        _type_error(f"json is not JSON-serialisable: {e}")
+    except ValueError as e:  # NaN or infinity
+        _value_error(f"json is not valid JSON: {e}")
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams for one tokenizer; built once per engine.
+
+    `vocab_size` is the logits' width V (it may exceed len(tokenizer): the ids past the tokenizer are never
+    allowed). `stop_token_ids` are the tokens a complete output may end with (default: the tokenizer's EOS).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int] | None = None,
+                 cache_size: int = 128) -> None:
+        import xgrammar
+
+        stops = sorted(stop_token_ids) if stop_token_ids is not None else None
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        # the LRU below is the one cache: xgrammar's own would keep every grammar ever compiled
+        self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+        self.vocab_size = vocab_size
+        self.stop_token_ids: tuple[int, ...] = tuple(info.stop_token_ids)
+        self._stop_row = new_bitmask(1, vocab_size)[0].zero_()
+        for token in self.stop_token_ids:
+            self._stop_row[token // 32] |= _bit(token % 32)
+        self._cached = functools.lru_cache(maxsize=cache_size)(self._build)
+
+    def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """The compiled grammar (cached by spec.key()); an invalid one is a ParamValueError saying why."""
+        return self._cached(spec.key())
+
+    def matcher(self, spec: StructuredOutputsParams) -> Matcher:
+        """A matcher at the start of spec's grammar."""
+        return Matcher(self.compile(spec), self._stop_row)
+
+    def _build(self, key: tuple) -> xgrammar.CompiledGrammar:
+        field, value = key
+        compiler = self._compiler
+        try:
+            if field == "json":
+                # compact separators: small models given free whitespace may emit it without end
+                return compiler.compile_json_schema(value, any_whitespace=False)
+            if field == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if field == "regex":
+                return compiler.compile_regex(value)
+            if field == "choice":  # JSON's string escapes are EBNF's
+                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                        for c in value))
+            return compiler.compile_grammar(value)
+        except RuntimeError as e:
+            what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(field, "value")
+            reason = _XGRAMMAR_PREFIX.sub("", str(e)).strip()
+            raise ParamValueError(f"{PARAM}.{field}: invalid {what}: {reason}", param=PARAM) from None
+
+
+class Matcher:
+    """One request's position in its grammar: fill() the next step's allowed tokens, accept() the sampled one."""
+
+    def __init__(self, grammar: xgrammar.CompiledGrammar, stop_row: torch.Tensor) -> None:
+        import xgrammar
+
+        self._matcher = xgrammar.GrammarMatcher(grammar)
+        self._stop_row = stop_row  # int32 [ceil(V / 32)]: the stop tokens' bits only
+        self._scratch = torch.empty(1, stop_row.numel(), dtype=torch.int32)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into bitmask[row] (int32 [R, ceil(V / 32)], on the CPU); once the
+        output is complete, the stop tokens are among them. Not to be called once a stop token is accepted."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> None:
+        """Advance by the sampled token; one the mask forbade is a bug (RuntimeError)."""
+        if not self._matcher.accept_token(token):
+            raise RuntimeError(f"token {token} does not follow the grammar here: was it sampled without the mask?")
+
+    @property
+    def terminated(self) -> bool:
+        """The output is complete and nothing but a stop token can follow (or a stop token was accepted):
+        the request can finish here. Costs one extra fill where the output is complete, none elsewhere."""
+        if self._matcher.is_terminated():
+            return True
+        if not self._matcher.is_completed():
+            return False
+        self._matcher.fill_next_token_bitmask(self._scratch, 0)
+        return torch.equal(self._scratch[0], self._stop_row)
+
+
+def _bit(j: int) -> int:
+    """Bit j of an int32 word, as a Python int in int32's range (bit 31 is the sign)."""
+    return -(1 << 31) if j == 31 else 1 << j
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """int32 [rows, ceil(V / 32)] on the CPU with every token allowed (an unconstrained row stays so)."""
+    return torch.full((rows, cdiv(vocab_size, 32)), -1, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set logits[r, t] to -inf, in place, wherever bit t of bitmask[r] is clear.
+
+    logits [R, V] of any float dtype, bitmask int32 [R, ceil(V / 32)] on the same device.
+    """
+    rows, vocab = logits.shape
+    if bitmask.shape != (rows, cdiv(vocab, 32)) or bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be int32 [{rows}, {cdiv(vocab, 32)}] for logits [{rows}, {vocab}], got "
+                         f"{bitmask.dtype} {list(bitmask.shape)}")
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]: word w's bit j is token 32 w + j
+    logits.masked_fill_(allowed.flatten(1)[:, :vocab] == 0, float("-inf"))
