@@ -206,7 +206,7 @@ class LLMEngine:
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's gauges now and a copy of its counters: one reading, for the server's /metrics."""
-        return EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting),
+        return EngineSnapshot(len(self.scheduler.running), self.scheduler.num_waiting,
                               self.blocks.num_blocks - self.blocks.num_free, self.blocks.num_blocks,
                               dataclasses.replace(self.stats))
 

@@ -7,8 +7,9 @@
   and later recomputed from its tokens.
 
 Both cut prefills into chunks under the step's token budget when chunked prefill is on. A request's n
-completions are n sequences; under the continuous scheduler with prefix caching the later ones wait for
-the first to compute the prompt and take its blocks (the static one admits them together, each computing it).
+completions are n sequences; under the continuous scheduler with prefix caching the later ones are held back
+until the first has computed the prompt, then go to the head of the queue and take its blocks from the cache
+(the static one admits them together, each computing it).
 A scheduler owns its sequences' state for their whole life (with its block manager, their blocks): `schedule`
 picks a step's work, `launched` marks it queued on the device, `landed` takes its tokens back, and
 `remove` ends a request; nothing else writes a sequence's status, counts or tokens.
@@ -71,6 +72,7 @@ class Scheduler(ABC):
     admission. A token in `eos_token_ids` stops a request that does not ignore EOS."""
 
     name: str
+    holds_siblings: bool  # whether a request's later completions wait for its first to compute the prompt
 
     def __init__(
         self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool,
@@ -83,18 +85,38 @@ class Scheduler(ABC):
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: dict[Sequence, list[Sequence]] = {}  # a request's first completion -> its others, held back
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if seq.first is not None and self.holds_siblings and self.blocks.prefix_caching:
+            self.held.setdefault(seq.first, []).append(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests' completions not running: queued, or held back for their first's prompt."""
+        return len(self.waiting) + sum(map(len, self.held.values()))
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted `seq`, waiting or running; its blocks return to the pool at once."""
-        (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)
+        """Drop a finished or aborted `seq`, waiting, held back or running; its blocks return to the pool at once. A
+        first completion dropped before its prompt was computed lets its others go, to compute it themselves."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.held.get(seq.first, ()):
+            self.held[seq.first].remove(seq)
+        else:
+            self.waiting.remove(seq)
         seq.status = Status.FINISHED
         self.blocks.release(seq)
+        self._release(seq)
+
+    def _release(self, first: Sequence) -> None:
+        """`first`'s held completions to the head of the queue: admitted next, they take its prompt's blocks."""
+        self.waiting.extendleft(reversed(self.held.pop(first, [])))
 
     @abstractmethod
     def schedule(self) -> ScheduledBatch: ...
@@ -108,6 +130,8 @@ class Scheduler(ABC):
                 seq.metrics.first_scheduled_time = now
             seq.num_computed_tokens += T
             self.blocks.commit(seq)
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._release(seq)
         for row, seq in enumerate(sampled):
             seq.num_pending += 1
             seq.pending_row = row
@@ -169,13 +193,6 @@ class Scheduler(ABC):
         lacking = seq.num_tokens - (seq.num_computed_tokens if computed is None else computed)
         return max(0, min(lacking, budget)) if self.chunked_prefill else lacking
 
-    def _waits_for_first(self, seq: Sequence) -> bool:
-        """Whether `seq`, a request's completion after the first (n > 1), waits for the first to compute the prompt,
-        whose blocks it then takes from the prefix cache instead of computing them again."""
-        first = seq.first
-        return (first is not None and self.blocks.prefix_caching and first.status is not Status.FINISHED
-                and first.num_computed_tokens < first.num_prompt_tokens)
-
     def _admit(self, seq: Sequence, prefix: list[int], reserve: int, batch: ScheduledBatch) -> None:
         """Move the head of the queue to running: the cached blocks it begins with, then blocks for
         `reserve` cache slots."""
@@ -195,6 +212,7 @@ class StaticScheduler(Scheduler):
     each request can grow (it never preempts); without chunked prefill its prompts must fit the budget."""
 
     name = "static"
+    holds_siblings = False
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -223,6 +241,7 @@ class ContinuousScheduler(Scheduler):
     the pool allow; when the pool runs out the latest admitted is preempted, to be recomputed."""
 
     name = "continuous"
+    holds_siblings = True
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -256,8 +275,6 @@ class ContinuousScheduler(Scheduler):
             return batch.decodes_first()
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self._waits_for_first(seq):  # FCFS: the requests behind it wait too (a step, most often)
-                break
             prefix = self.blocks.cached_prefix(seq)
             cached = len(prefix) * self.blocks.block_size
             T = self._share(seq, budget, cached)
