@@ -125,18 +125,19 @@ class Driver(Protocol):
 def engine_options(config: BenchConfig, workload: Workload) -> dict[str, object]:
     """EngineConfig's keyword arguments but model, dtype and device for weft's `config` on `workload`.
 
-    The engine is sized to the workload: at pool_fraction 1 its pool holds every request at once (the
-    contiguous backend: a row per request it may hold), and by default it may hold them all in a step, with
-    all their prompts' tokens; then `config.options` on top (an option given wins).
+    The engine is sized to the workload: at pool_fraction 1 its pool holds every request at once, each of its n
+    completions whole (the contiguous backend: a row per completion it may hold), and by default it may hold
+    them all in a step, with all their prompts' tokens; then `config.options` on top (an option given wins).
     """
     if config.engine != "weft":
         raise ValueError(f"engine options are weft's, not {config.engine}'s")
-    max_num_seqs = config.options.get("max_num_seqs", len(workload))
+    n = SAMPLINGS[config.sampling].get("n", 1)
+    max_num_seqs = config.options.get("max_num_seqs", len(workload) * n)
     if config.setting("attention") == "contiguous":
         num_blocks = max_num_seqs  # rows of S_max = max_model_len slots
     else:
         P = config.setting("block_size")
-        shrunk = math.ceil(workload.blocks_needed(P) * config.pool_fraction)
+        shrunk = math.ceil(workload.blocks_needed(P) * n * config.pool_fraction)  # n unshared: a bound
         num_blocks = max(shrunk, workload.largest_request_blocks(P))
     # By default the token budget never limits admission: batches are bounded by max_num_seqs and the pool,
     # so the static scheduler forms the batches it is meant to.
