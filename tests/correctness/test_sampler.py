@@ -25,6 +25,7 @@ def settings(B: int, temperature=1.0, top_k=None, top_p=1.0, seeds=None, positio
         seeded=torch.tensor([s is not None for s in seeds]),
         seed=torch.tensor([[(s or 0) & 0xFFFFFFFF, ((s or 0) >> 32) & 0xFFFFFFFF] for s in seeds]),
         position=col(position, torch.int64), max_top_k=max(top_k) if isinstance(top_k, list) else top_k or 10**9,
+        filtered=True,
     )  # fmt: skip
 
 
@@ -108,3 +109,11 @@ def test_ranking_only_the_largest_top_k_draws_what_ranking_all_does():
                  position=3, min_p=0.02)
     everything = dataclasses.replace(t, max_top_k=V)
     assert sample(logits, t).tolist() == sample(logits, everything).tolist()
+
+
+def test_a_draw_with_nothing_filtered_skips_the_ranking_and_draws_the_same():
+    B, V = 32, 200
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(6)) * 2
+    t = settings(B, temperature=[0.0] + [0.7] * (B - 1), seeds=list(range(B)), position=9)
+    unfiltered = dataclasses.replace(t, filtered=False, max_top_k=V)
+    assert sample(logits, unfiltered).tolist() == sample(logits, t).tolist()

@@ -42,10 +42,11 @@ class SamplingState:
             [s.num_tokens for s in seqs],
         ], dtype=torch.int64)  # fmt: skip
         max_top_k = int(ints[0].max())  # on the host, before the copy
+        filtered = max_top_k < self.V or any(p.top_p < 1 or p.min_p > 0 for p in params)
         floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
         return SamplingTensors(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], top_k=ints[0], seeded=ints[1].bool(),
-            seed=ints[2:4].T, position=ints[4], max_top_k=max_top_k,
+            seed=ints[2:4].T, position=ints[4], max_top_k=max_top_k, filtered=filtered,
         )  # fmt: skip
 
     def rules(self, seqs: list[Sequence]) -> tuple[LogitRules, torch.Tensor] | None:

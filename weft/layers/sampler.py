@@ -30,6 +30,7 @@ class SamplingTensors:
     seed: torch.Tensor  # [B, 2] int64: a seeded row's seed, low and high 32 bits
     position: torch.Tensor  # [B] int64: the position of the token each row samples
     max_top_k: int  # the largest row's top_k (V when a row keeps every token): only that many are ranked
+    filtered: bool  # whether any row has a top_k, top_p or min_p that drops tokens (else none is ranked at all)
 
 
 @dataclass
@@ -79,6 +80,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
     logits = logits.float()
     B, V = logits.shape
     scaled = logits / t.temperature.clamp_min(1e-6)[:, None]
+    if not t.filtered:  # every token kept: the Gumbel-max draw over all of them, by token id, needs no ranking
+        ids = torch.arange(V, device=logits.device).expand(B, V)
+        u = torch.where(t.seeded[:, None], hashed_uniform(t.seed, t.position, ids), torch.rand_like(scaled))
+        return torch.where(t.temperature == 0, greedy, (scaled - torch.log(-torch.log(u))).argmax(dim=-1))
     # [B, K] and the token id at each rank; no row keeps a token past the largest top_k, so only K are ranked
     K = min(t.max_top_k, V)
     ordered, order = scaled.topk(K, dim=-1) if K < V else scaled.sort(dim=-1, descending=True)
