@@ -42,7 +42,7 @@ def test_adjust_applies_allowed_bias_and_penalties_as_defined():
                                                                                                    True),
         bias_rows=torch.tensor([1, 1, 3]), bias_tokens=torch.tensor([5, 6, 5]),
         bias=torch.tensor([2.5, float("-inf"), -1.0]),
-        penalty_rows=torch.tensor([2, 3]), counts=counts, seen=in_prompt | (counts > 0),
+        penalty_rows=torch.tensor([2, 3]), count_rows=torch.tensor([0, 1]), counts=counts, in_prompt=in_prompt,
         presence=torch.tensor([0.5, -0.25]), frequency=torch.tensor([0.3, 1.0]), repetition=torch.tensor([1.3, 0.7]),
     )  # fmt: skip
     out = adjust(logits, rules).double()

@@ -11,7 +11,7 @@ import torch
 
 from weft.errors import ParamTypeError, ParamValueError
 from weft.inference.chat import chat_prompt
-from weft.inference.structured import GrammarCompiler, StructuredOutputsParams, apply_bitmask, new_bitmask
+from weft.inference.structured import GrammarCompiler, StructuredOutputsParams, allowed_tokens, new_bitmask
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
 pytestmark = pytest.mark.correctness
@@ -96,7 +96,7 @@ def test_an_invalid_grammar_is_refused_at_compile_saying_why(compiler, kwargs, m
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_apply_bitmask_masks_exactly_the_cleared_bits(dtype, device):
+def test_allowed_tokens_are_exactly_the_set_bits(dtype, device):
     gen = torch.Generator().manual_seed(0)
     R, V = 5, 77  # 3 words, the last one partly past V
     bitmask = torch.randint(-(2**31), 2**31, (R, 3), dtype=torch.int64, generator=gen).to(torch.int32)
@@ -108,13 +108,12 @@ def test_apply_bitmask_masks_exactly_the_cleared_bits(dtype, device):
         for t in range(V):
             if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
                 expected[r, t] = float("-inf")
-    got = logits.to(device)
-    apply_bitmask(got, bitmask.to(device))
+    got = logits.to(device).masked_fill_(~allowed_tokens(bitmask.to(device), V), float("-inf"))
     assert torch.equal(got.cpu(), expected)
     assert torch.isinf(expected).sum() > R * V // 4  # the random rows do mask
     assert torch.equal(new_bitmask(2, V), torch.full((2, 3), -1, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"bitmask must be int32 \[5, 3\] for logits \[5, 77\]"):
-        apply_bitmask(logits, bitmask[:, :2])
+    with pytest.raises(ValueError, match=r"bitmask must be int32 \[5, 3\] for V = 77"):
+        allowed_tokens(bitmask[:, :2], V)
 
 
 @torch.inference_mode()
@@ -129,7 +128,7 @@ def greedy(smollm2, compiler: GrammarCompiler, spec: StructuredOutputsParams, re
         out = model(input_ids=torch.tensor([ids], device=model.device), cache=cache, use_cache=True)
         cache, logits = out.cache, out.logits[:, -1].float()
         matcher.fill(bitmask, 0)
-        apply_bitmask(logits, bitmask.to(logits.device))
+        logits.masked_fill_(~allowed_tokens(bitmask.to(logits.device), source.config.V), float("-inf"))
         token = int(logits.argmax(-1))
         matcher.accept(token)
         if token in source.eos_token_ids:
@@ -185,9 +184,7 @@ def test_a_complete_output_allows_only_the_stop_tokens(smollm2, compiler):
     assert digits.terminated
     bitmask = new_bitmask(1, V)
     digits.fill(bitmask, 0)
-    logits = torch.zeros(1, V)
-    apply_bitmask(logits, bitmask)
-    assert set(logits[0].isfinite().nonzero().flatten().tolist()) == set(smollm2.source.eos_token_ids)
+    assert set(allowed_tokens(bitmask, V)[0].nonzero().flatten().tolist()) == set(smollm2.source.eos_token_ids)
     with pytest.raises(RuntimeError, match="does not follow the grammar"):
         digits.accept(tok.convert_tokens_to_ids("5"))
 
@@ -198,6 +195,5 @@ def test_ids_past_the_tokenizer_are_never_allowed(smollm2):
     wider = GrammarCompiler(tok, len(tok) + 40)
     bitmask = new_bitmask(1, len(tok) + 40)
     wider.matcher(StructuredOutputsParams(json_object=True)).fill(bitmask, 0)
-    logits = torch.zeros(1, len(tok) + 40)
-    apply_bitmask(logits, bitmask)
-    assert logits[0, len(tok):].isinf().all() and logits[0, : len(tok)].isfinite().any()
+    allowed = allowed_tokens(bitmask, len(tok) + 40)[0]
+    assert not allowed[len(tok):].any() and allowed[: len(tok)].any()

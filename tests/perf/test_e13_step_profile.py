@@ -44,11 +44,14 @@ def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
     def prompt(n: int) -> list[int]:
         return torch.randint(0, V, (n,), generator=g).tolist()
 
+    def sequences() -> list:
+        return [seq for group in engine.requests.values() for seq in group]
+
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     try:
         for i in range(B):
             engine.add_request(f"r{i}", prompt(S), params)
-        while any(len(seq.token_ids) - seq.num_prompt_tokens < 2 for seq in engine.requests.values()):
+        while any(len(seq.token_ids) - seq.num_prompt_tokens < 2 for seq in sequences()):
             engine.step()  # every request decoding
         engine.step(), engine.step()
         added = iter(range(2 * STEPS))
@@ -58,7 +61,7 @@ def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
                 engine.add_request(f"new{next(added)}", prompt(sizes.e13_prefill), params)
             engine.step()
 
-        context = sum(seq.num_tokens for seq in engine.requests.values()) + B * STEPS * 3 // 2  # mid-profile
+        context = sum(seq.num_tokens for seq in sequences()) + B * STEPS * 3 // 2  # mid-profile
         result = benchmark.pedantic(step_profile, args=(step, STEPS, device), rounds=1, iterations=1)
         # no request finished: every step measured held all B decodes (and the mixed ones a prefill)
         assert len(engine.requests) == B + (2 * STEPS if shape == "mixed" else 0)

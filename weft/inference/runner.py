@@ -242,12 +242,12 @@ class ModelRunner:
         x = step.lists
         n = len(x.sampling)
         sampled = logits[:n]
-        ruled = self.sampling.rules(x.sampling)  # host work (a grammar's mask) while the device runs the forward
-        if ruled is not None:
-            sampled = adjust(sampled, ruled[0])
+        rules = self.sampling.rules(x.sampling)  # host work (a grammar's mask) while the device runs the forward
+        if rules is not None:
+            sampled = adjust(sampled, rules)
         tokens = sample(sampled, self.sampling.settings(x.sampling))
-        if ruled is not None:
-            self.sampling.count(*ruled, tokens)
+        if rules is not None:
+            self.sampling.count(rules, tokens)
         cuda = self.device.type == "cuda"
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda).copy_(tokens, non_blocking=cuda)
         copied = torch.cuda.Event() if cuda else None

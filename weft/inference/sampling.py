@@ -49,9 +49,9 @@ class SamplingState:
             seed=ints[2:4].T, position=ints[4], max_top_k=max_top_k, filtered=filtered,
         )  # fmt: skip
 
-    def rules(self, seqs: list[Sequence]) -> tuple[LogitRules, torch.Tensor] | None:
-        """The logit rules of the sampled rows `seqs` and, for `count`, the rows of counts of those with a penalty
-        -> None when no row has a rule. A grammar's mask is filled here, while the device runs the forward pass."""
+    def rules(self, seqs: list[Sequence]) -> LogitRules | None:
+        """The logit rules of the sampled rows `seqs` (None when no row has a rule). A grammar's mask is filled
+        here, while the device runs the forward pass."""
         ruled = [(i, s) for i, s in enumerate(seqs) if not s.params.plain]
         if not ruled:
             return None
@@ -81,26 +81,26 @@ class SamplingState:
         if grammar_rows:  # a grammar's tokens are its allowed ones; one with allowed_token_ids too gets both rows
             allowed = torch.cat([allowed, grammar_masks([s for _, s in grammar_rows], self.V, self.device)])
             allowed_rows += [i for i, _ in grammar_rows]
-        slab_rows = self._rows([s for _, s in penalized])
+        count_rows = self._rows([s for _, s in penalized])
         pen = [s.params for _, s in penalized]
         floats = torch.tensor([[p.presence_penalty for p in pen], [p.frequency_penalty for p in pen],
                                [p.repetition_penalty for p in pen]], dtype=torch.float32).to(self.device)
-        counts = self.counts[slab_rows] if pen else torch.zeros(0, self.V, dtype=torch.int32, device=self.device)
-        seen = (self.in_prompt[slab_rows] | (counts > 0)) if pen else counts.bool()
-        rules = LogitRules(
+        none = torch.zeros(0, self.V, dtype=torch.int32, device=self.device)
+        return LogitRules(
             allowed_rows=self._ints(allowed_rows), allowed=allowed,
             bias_rows=self._ints(bias_rows), bias_tokens=self._ints(bias_tokens),
             bias=torch.tensor(bias, dtype=torch.float32).to(self.device),
-            penalty_rows=self._ints([i for i, _ in penalized]), counts=counts, seen=seen,
+            penalty_rows=self._ints([i for i, _ in penalized]), count_rows=count_rows,
+            counts=self.counts if pen else none, in_prompt=self.in_prompt if pen else none.bool(),
             presence=floats[0], frequency=floats[1], repetition=floats[2],
         )  # fmt: skip
-        return rules, slab_rows
 
-    def count(self, rules: LogitRules, slab_rows: torch.Tensor, tokens: torch.Tensor) -> None:
+    def count(self, rules: LogitRules, tokens: torch.Tensor) -> None:
         """The step's sampled ids `tokens` [B'] into the counts of the requests with a penalty (on the device)."""
-        if slab_rows.numel():
+        if rules.count_rows.numel():
             picked = tokens.index_select(0, rules.penalty_rows)
-            self.counts.index_put_((slab_rows, picked), torch.ones_like(picked, dtype=torch.int32), accumulate=True)
+            ones = torch.ones_like(picked, dtype=torch.int32)
+            self.counts.index_put_((rules.count_rows, picked), ones, accumulate=True)
 
     def _rows(self, seqs: list[Sequence]) -> torch.Tensor:
         """Each request's row of counts [R] int64; a request without one gets one, filled from its tokens (all on
@@ -156,11 +156,9 @@ def banned_tokens(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
 def grammar_masks(seqs: list[Sequence], V: int, device: torch.device) -> torch.Tensor:
     """The tokens each request's grammar allows next [S, V] bool on `device`, from the matchers' bitmasks, filled
     on the host and unpacked on the device (bit j of word w: token 32 w + j)."""
-    from weft.inference.structured import new_bitmask
+    from weft.inference.structured import allowed_tokens, new_bitmask
 
     bitmask = new_bitmask(len(seqs), V)  # [S, ceil(V / 32)] int32
     for row, seq in enumerate(seqs):
         seq.matcher.fill(bitmask, row)
-    bitmask = bitmask.to(device, non_blocking=True)
-    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32, device=device)) & 1  # [S, W, 32]
-    return bits.view(len(seqs), -1)[:, :V].bool()
+    return allowed_tokens(bitmask.to(device, non_blocking=True), V)

@@ -4,8 +4,8 @@ generated token, through xgrammar.
 Per engine, a `GrammarCompiler` (from the tokenizer) compiles each request's `StructuredOutputsParams`
 once; per request, a `Matcher` follows the tokens generated so far. Each step, every constrained
 request's matcher fills its row of an int32 bitmask [R, ceil(V / 32)] on the CPU (bit j of word w
-allows token 32 w + j), the bitmask moves to the logits' device, and `apply_bitmask` sets every
-forbidden logit to -inf before sampling. xgrammar is imported at first use: `import weft` stays light.
+allows token 32 w + j), the bitmask moves to the logits' device, and `allowed_tokens` unpacks it into the
+rows of allowed tokens the sampler applies. xgrammar is imported at first use: `import weft` stays light.
 """
 
 from __future__ import annotations
@@ -200,15 +200,13 @@ def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, cdiv(vocab_size, 32)), -1, dtype=torch.int32)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set logits[r, t] to -inf, in place, wherever bit t of bitmask[r] is clear.
-
-    logits [R, V] of any float dtype, bitmask int32 [R, ceil(V / 32)] on the same device.
-    """
-    rows, vocab = logits.shape
-    if bitmask.shape != (rows, cdiv(vocab, 32)) or bitmask.dtype != torch.int32:
-        raise ValueError(f"bitmask must be int32 [{rows}, {cdiv(vocab, 32)}] for logits [{rows}, {vocab}], got "
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask int32 [R, ceil(V / 32)] -> the tokens it allows [R, V] bool, on the bitmask's device (bit j of
+    word w allows token 32 w + j)."""
+    rows = bitmask.shape[0]
+    if bitmask.shape != (rows, cdiv(vocab_size, 32)) or bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be int32 [{rows}, {cdiv(vocab_size, 32)}] for V = {vocab_size}, got "
                          f"{bitmask.dtype} {list(bitmask.shape)}")
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]: word w's bit j is token 32 w + j
-    logits.masked_fill_(allowed.flatten(1)[:, :vocab] == 0, float("-inf"))
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    return bits.flatten(1)[:, :vocab_size].bool()

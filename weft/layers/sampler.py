@@ -13,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+
+from weft.layers.fused import on_kernels
 
 MASK32 = 0xFFFFFFFF
 HASH_MUL = 0x45D9F3B  # < 2**31: a 32-bit value times it never overflows int64
@@ -43,8 +47,9 @@ class LogitRules:
     bias_tokens: torch.Tensor  # [K] int64
     bias: torch.Tensor  # [K] float32
     penalty_rows: torch.Tensor  # [R] int64: rows of requests with a penalty
-    counts: torch.Tensor  # [R, V] int32: each token's count in the row's output so far
-    seen: torch.Tensor  # [R, V] bool: the token is in the row's prompt or output
+    count_rows: torch.Tensor  # [R] int64: each one's row of counts and in_prompt
+    counts: torch.Tensor  # [C, V] int32: each token's count in a request's output so far (C >= R rows)
+    in_prompt: torch.Tensor  # [C, V] bool: the token is in the request's prompt
     presence: torch.Tensor  # [R] float32
     frequency: torch.Tensor  # [R] float32
     repetition: torch.Tensor  # [R] float32
@@ -61,12 +66,51 @@ def adjust(logits: torch.Tensor, rules: LogitRules) -> torch.Tensor:
     if rules.bias_rows.numel():
         logits.index_put_((rules.bias_rows, rules.bias_tokens), rules.bias, accumulate=True)
     if rules.penalty_rows.numel():
-        x = logits[rules.penalty_rows]  # [R, V]
-        rep = rules.repetition[:, None]
-        x = torch.where(rules.seen, torch.where(x > 0, x / rep, x * rep), x)
-        x -= rules.frequency[:, None] * rules.counts + rules.presence[:, None] * (rules.counts > 0)
-        logits[rules.penalty_rows] = x
+        if on_kernels(logits):
+            penalize(logits, rules)
+        else:
+            counts = rules.counts[rules.count_rows]  # [R, V]
+            x = logits[rules.penalty_rows]
+            rep = rules.repetition[:, None]
+            seen = rules.in_prompt[rules.count_rows] | (counts > 0)
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+            x -= rules.frequency[:, None] * counts + rules.presence[:, None] * (counts > 0)
+            logits[rules.penalty_rows] = x
     return logits
+
+
+@triton.jit
+def _penalize_kernel(
+    logits_ptr, rows_ptr, count_rows_ptr, counts_ptr, in_prompt_ptr, presence_ptr, frequency_ptr,
+    repetition_ptr, V, stride_l, stride_c, BLOCK: tl.constexpr,
+):
+    r, chunk = tl.program_id(0), tl.program_id(1)
+    row, crow = tl.load(rows_ptr + r), tl.load(count_rows_ptr + r)
+    col = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = col < V
+    at = logits_ptr + row * stride_l + col
+    x = tl.load(at, mask=mask, other=0.0)
+    count = tl.load(counts_ptr + crow * stride_c + col, mask=mask, other=0)
+    prompt = tl.load(in_prompt_ptr + crow * stride_c + col, mask=mask, other=0)
+    rep = tl.load(repetition_ptr + r)
+    # div_rn: IEEE division, as PyTorch's (Triton's `/` on float32 is an approximation)
+    penalized = tl.where(x > 0, tl.math.div_rn(x, rep), x * rep)
+    x = tl.where((prompt != 0) | (count > 0), penalized, x)
+    x -= tl.load(frequency_ptr + r) * count.to(tl.float32) + tl.load(presence_ptr + r) * (count > 0).to(tl.float32)
+    tl.store(at, x, mask=mask)
+
+
+def penalize(logits: torch.Tensor, rules: LogitRules) -> None:
+    """The repetition, frequency and presence penalties on logits [B, V] float32, in place, in one pass over
+    the penalized rows' logits and counts (the same values as the PyTorch ops `adjust` runs off CUDA)."""
+    R, (_, V) = rules.penalty_rows.numel(), logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1 and rules.counts.stride(1) == 1
+    BLOCK = 4096
+    _penalize_kernel[(R, triton.cdiv(V, BLOCK))](
+        logits, rules.penalty_rows, rules.count_rows, rules.counts, rules.in_prompt.view(torch.uint8),
+        rules.presence, rules.frequency, rules.repetition, V, logits.stride(0), rules.counts.stride(0),
+        BLOCK=BLOCK, enable_fp_fusion=False,
+    )
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
