@@ -15,7 +15,7 @@ INNER_TEST = f"""
 import os, sys
 import pytest
 sys.path.insert(0, {str(ROOT)!r})
-from tests.perf.conftest import save_so_far
+from weft.benchmark.saving import save_so_far
 
 @pytest.mark.parametrize("name", ["first", "second"])
 def test_benchmark(benchmark, request, name):

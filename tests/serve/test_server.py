@@ -11,6 +11,7 @@ import logging
 import pickle
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -65,7 +66,8 @@ def ids_of(choice) -> list[int]:
 def test_completions_match_hf_and_generate_streamed_or_not(client, reference, offline):
     ref = reference(DEFAULT_MODEL)
     generated = offline.generate(ref.prompts, greedy(ref.max_tokens), use_tqdm=False)
-    for ids, expected, out in zip(ref.prompts, ref.expected, generated, strict=True):
+
+    def check(ids: list[int], expected: list[int], out: RequestOutput) -> None:
         assert out.outputs[0].token_ids == expected
         whole = client.completions.create(model=NAME, prompt=ids, max_tokens=ref.max_tokens, temperature=0,
                                           extra_body={"return_token_ids": True})
@@ -83,13 +85,23 @@ def test_completions_match_hf_and_generate_streamed_or_not(client, reference, of
         assert streamed[-1].choices[0].finish_reason == choice.finish_reason
         assert chunks[-1].usage.completion_tokens == len(expected) and not chunks[-1].choices
 
+    concurrently(check, ref.prompts, ref.expected, generated)
+
+
+def concurrently(check, *args) -> None:
+    """check(*row) for each row of args, every row a client of its own at once (the server batches them); the
+    first failure is raised."""
+    with ThreadPoolExecutor(len(args[0])) as pool:
+        list(pool.map(check, *args))
+
 
 @needs_smollm2
 def test_chat_matches_hf_and_llm_chat(client, reference, offline):
     ref = reference(DEFAULT_MODEL)
-    for prompt, expected in zip(PROMPTS, ref.expected, strict=False):
-        messages = [{"role": "user", "content": prompt}]
-        chat = offline.chat(messages, greedy(ref.max_tokens), use_tqdm=False)[0]
+    conversations = [[{"role": "user", "content": p}] for p in PROMPTS[: len(ref.expected)]]
+    chats = offline.chat(conversations, greedy(ref.max_tokens), use_tqdm=False)
+
+    def check(messages: list[dict], expected: list[int], chat: RequestOutput) -> None:
         assert chat.outputs[0].token_ids == expected  # the conformance prompts are these, chat-templated
         whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=ref.max_tokens,
                                                temperature=0, extra_body={"return_token_ids": True})
@@ -102,6 +114,8 @@ def test_chat_matches_hf_and_llm_chat(client, reference, offline):
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.outputs[0].text
         assert chunks[-1].usage.completion_tokens == len(expected)
+
+    concurrently(check, conversations, ref.expected, chats)
 
 
 @needs_smollm2
@@ -494,6 +508,23 @@ def test_prompt_and_generation_tokens_are_counted_once_each(tiny_server):
         before["generation_tokens"] + 8
     assert metric(url, "weft:prompt_tokens_total") == before["prompt_tokens"] + 18  # 10 computed
     assert metric(url, "weft:prefix_cache_hits_total") == hits + 8
+
+
+def test_a_streamed_request_counts_every_choice_however_early_it_finished(tiny_server):
+    """n = 4 choices streamed, stopping at a seeded random step each (half the vocabulary stops them): each
+    counts once in request_success, though the stream's last output holds only the last to finish."""
+    url = tiny_server
+    success = 'weft:request_success_total{engine="0",finished_reason="stop",model_name="tiny-llama"}'
+    before = metric(url, success)
+    body = {"prompt": [11, 12, 13], "max_tokens": 64, "n": 4, "temperature": 1.0, "seed": 3, "stream": True,
+            "stop_token_ids": list(range(0, 256, 2))}
+    finishing = []  # the chunks that carry a finish reason, in order
+    with httpx.stream("POST", f"{url}/completions", json={"model": "tiny-llama", **body}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                finishing += [c["index"] for c in json.loads(line[6:])["choices"] if c.get("finish_reason")]
+    assert sorted(finishing) == [0, 1, 2, 3]
+    assert wait_for_metric(url, success, before + 4) == before + 4
 
 
 def test_a_list_of_prompts_names_its_first_refused_prompt(tiny_server):

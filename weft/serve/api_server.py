@@ -508,7 +508,7 @@ async def finished(
     and the latency histograms."""
     await close(streams)
     for out in outs:
-        metrics.finished(out, params)
+        metrics.finished(out, params, [c.finish_reason for c in out.outputs])
         usage.add(out, sum(len(c.token_ids) for c in out.outputs))
     return outs
 
@@ -559,8 +559,10 @@ async def completion_chunks(
     created, usage, k, n = int(time.time()), Usage(), request.num_logprobs(), request.sampling_params().n
     counts: dict[int, int] = {}  # tokens so far, per choice
     offsets: dict[int, int] = {}  # characters so far, per choice
+    reasons: dict[int, list[str]] = {}  # the finish reasons of each prompt's choices
     try:
         async for i, out in merged(streams, firsts):
+            reasons.setdefault(i, []).extend(c.finish_reason for c in out.outputs if c.finish_reason is not None)
             for c in out.outputs:
                 index = i * n + c.index
                 opening = index not in counts
@@ -577,7 +579,7 @@ async def completion_chunks(
                 yield event(CompletionResponse(id=rid, created=created, model=request.model, choices=[choice],
                                                usage=chunk_usage).model_dump_json(exclude_none=True))
             if out.finished:
-                metrics.finished(out, request.sampling_params())
+                metrics.finished(out, request.sampling_params(), reasons[i])
                 usage.add(firsts[i], sum(counts.get(i * n + j, 0) for j in range(n)))
         if request.include_usage:
             yield event(CompletionResponse(id=rid, created=created, model=request.model, choices=[],
@@ -595,6 +597,7 @@ async def chat_chunks(
     """A role chunk per choice, then each choice's pieces as they come, then the usage if asked."""
     created, n = int(time.time()), request.sampling_params().n
     counts = [0] * n
+    reasons: list[str] = []  # the choices' finish reasons
 
     def chunk(choice: ChatCompletionStreamChoice | None, usage: UsageInfo | None = None) -> str:
         body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model,
@@ -605,6 +608,7 @@ async def chat_chunks(
         for j in range(n):
             yield chunk(ChatCompletionStreamChoice(index=j, delta=DeltaMessage(role="assistant", content="")))
         async for _, out in merged([stream], [first]):
+            reasons.extend(c.finish_reason for c in out.outputs if c.finish_reason is not None)
             for c in out.outputs:
                 counts[c.index] += len(c.token_ids)
                 yield chunk(ChatCompletionStreamChoice(
@@ -613,7 +617,7 @@ async def chat_chunks(
                     token_ids=c.token_ids if request.return_token_ids else None,
                 ), running_usage(first, counts[c.index]) if request.continuous_usage else None)  # fmt: skip
             if out.finished:
-                metrics.finished(out, request.sampling_params())
+                metrics.finished(out, request.sampling_params(), reasons)
                 if request.include_usage:
                     usage = Usage()
                     usage.add(first, sum(counts))

@@ -116,15 +116,16 @@ class ServerMetrics:
         self.n = histogram("request_params_n", "The n request parameter.", REQUEST_PARAMS_N_BUCKETS)
         self.max_tokens = histogram("request_params_max_tokens", "The max_tokens request parameter.", tokens)
 
-    def finished(self, out: RequestOutput, params: SamplingParams) -> None:
-        """A request's last output: request_success once per completion it holds, the histograms once per request
-        from its engine metrics (its first completion's), with the intervals vLLM's
-        IterationStats.update_from_finished_request takes; request_params_* from its `params`. An output that is
-        not finished (an aborted request's, the client gone) counts nowhere, as vLLM counts aborts nowhere."""
+    def finished(self, out: RequestOutput, params: SamplingParams, reasons: list[str]) -> None:
+        """A request's last output and its completions' finish `reasons` (a stream's last output holds only the
+        completions still running): request_success once per completion, the histograms once per request from its
+        engine metrics (its first completion's), with the intervals vLLM's IterationStats.update_from_finished_request
+        takes; request_params_* from its `params`. An output that is not finished (an aborted request's, the client
+        gone) counts nowhere, as vLLM counts aborts nowhere."""
         if not out.finished:
             return
-        for c in out.outputs:  # each finished, as the request is
-            self.success.labels(*self.labels, c.finish_reason).inc()
+        for reason in reasons:
+            self.success.labels(*self.labels, reason).inc()
         m = out.metrics
         if m is None or not m.token_times or m.first_scheduled_time is None:
             return
