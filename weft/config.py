@@ -4,7 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# model_type -> the transformers class weft reimplements
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Llama3Rope:
+    """Llama 3.1's RoPE frequency scaling (rope_type "llama3"): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are stretched `factor` times, shorter than
+    original_max_position_embeddings / high_freq_factor kept, and those between blended linearly in
+    original_max_position_embeddings / wavelength."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -21,12 +38,16 @@ class ModelConfig:
     rope_theta: float
     max_model_len: int  # longest sequence the positions cover
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2's; Llama's attention_bias)
+    o_bias: bool = False  # a bias on the attention's output projection (Llama's attention_bias)
     mlp_bias: bool = False
+    rope_scaling: Llama3Rope | None = None
+    sliding_window: int | None = None  # keys a query sees at most, itself included (None: all of them)
 
     @classmethod
     def from_hf(cls, hf_config) -> ModelConfig:
-        """Reads a transformers `LlamaConfig` / `Qwen3Config`; anything else is a ValueError."""
+        """Reads a transformers Llama, Mistral, Qwen2 or Qwen3 config; any other is a ValueError naming the ones
+        weft serves."""
         arch = hf_config.model_type
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -34,10 +55,15 @@ class ModelConfig:
             )
         rope = dict(getattr(hf_config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(f"unsupported rope_type {rope_type!r}: weft supports 'default'")
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}: weft supports 'default' and 'llama3'")
+        scaling = None
+        if rope_type == "llama3":
+            scaling = Llama3Rope(float(rope["factor"]), float(rope["low_freq_factor"]),
+                                 float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
         theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         H_q = hf_config.num_attention_heads
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
         return cls(
             arch=arch,
             V=hf_config.vocab_size,
@@ -51,6 +77,23 @@ class ModelConfig:
             rope_theta=float(theta),
             max_model_len=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
-            attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+            qkv_bias=attention_bias or arch == "qwen2",
+            o_bias=attention_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            rope_scaling=scaling,
+            sliding_window=_sliding_window(hf_config),
         )
+
+
+def _sliding_window(hf_config) -> int | None:
+    """The window of a config whose layers (any of them) attend within one: Mistral's sliding_window, Qwen2's
+    where use_sliding_window puts layers in it."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    if hf_config.model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+        return None
+    return int(window)

@@ -15,7 +15,8 @@ from weft.models.weights import checkpoint_layout
 pytestmark = pytest.mark.correctness
 
 
-@pytest.mark.parametrize(("name", "scheduler"), [("tiny-llama", "continuous"), ("tiny-qwen3", "static")])
+# Qwen2: Llama's decoder with biases on q, k and v, which the ranks slice as their weights; Qwen3: its q/k norms
+@pytest.mark.parametrize(("name", "scheduler"), [("tiny-qwen2", "continuous"), ("tiny-qwen3", "static")])
 def test_two_ranks_match_hf(reference, name, scheduler):
     ref = reference(name, torch.device("cpu"))
     params = SamplingParams(max_tokens=ref.max_tokens, temperature=0.0, ignore_eos=True)
@@ -42,8 +43,9 @@ def test_two_gpus_match_hf(reference, mode):
     assert [o.outputs[0].token_ids for o in outs] == ref.expected
 
 
-def test_each_rank_holds_its_slice_of_every_weight():
-    source = resolve_model("tiny-qwen3")
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen2"])
+def test_each_rank_holds_its_slice_of_every_weight(name):
+    source = resolve_model(name)
     cfg = source.config
     whole = build_model(cfg, torch.float32, torch.device("cpu"))
     source.load_into(whole)
@@ -56,7 +58,7 @@ def test_each_rank_holds_its_slice_of_every_weight():
         a, b = (dict(r.named_parameters())[name] for r in ranks)
         if name.endswith(("o_proj.weight", "down_proj.weight")):  # by input columns
             assert torch.equal(torch.cat([a, b], dim=1), full), name
-        elif "qkv_proj" in name:  # each rank: its query heads, then its K/V heads
+        elif "qkv_proj" in name:  # each rank: its query heads, then its K/V heads (weights and biases)
             fq, fk, fv = full.split([q, kv, kv])
             for r, mine in enumerate((a, b)):
                 mq, mk, mv = mine.split([q // 2, kv // 2, kv // 2])

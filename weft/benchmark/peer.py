@@ -19,8 +19,9 @@ from weft.models.loader import reference_model, resolve_model
 SERVE = "from transformers.cli.transformers import main; main()"  # the `transformers` command, by this Python
 
 
-def write_checkpoint(model: str, dtype: torch.dtype, path: Path) -> Path:
-    """`model`'s weights (as weft loads them) with a word-level tokenizer and no EOS, into `path`."""
+def write_checkpoint(model: str, dtype: torch.dtype, path: Path, max_shard_size: str = "5GB") -> Path:
+    """`model`'s weights (as weft loads them) with a word-level tokenizer and no EOS, into `path` (in shards of
+    at most `max_shard_size`, with their model.safetensors.index.json, where one file would be larger)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -29,7 +30,7 @@ def write_checkpoint(model: str, dtype: torch.dtype, path: Path) -> Path:
     hf_model.config.eos_token_id = hf_model.generation_config.eos_token_id = None
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(source.config.V)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf_model.save_pretrained(path)
+    hf_model.save_pretrained(path, max_shard_size=max_shard_size)
     PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(path)
     return path
 

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from weft.config import Llama3Rope
 from weft.layers import fused
 from weft.layers.norm import RMSNorm
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, D: int, theta: float, max_positions: int) -> None:
+    def __init__(self, D: int, theta: float, max_positions: int, scaling: Llama3Rope | None = None) -> None:
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)  # [D/2]
+        if scaling is not None:
+            inv_freq = llama3_frequencies(inv_freq, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [S_max, D/2]
         angles = torch.cat([freqs, freqs], dim=-1)  # [S_max, D]
         self.register_buffer("cos", angles.cos(), persistent=False)
@@ -22,6 +27,17 @@ class RotaryEmbedding(nn.Module):
         """positions [T_total] -> cos, sin [T_total, 1, D]: looked up once per step, used by every layer."""
         # like HF, the tables are cast to the activations' dtype before the multiply
         return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, s: Llama3Rope) -> torch.Tensor:
+    """inv_freq [D/2] float32 -> Llama 3.1's scaled frequencies [D/2] (see Llama3Rope), in float32 as HF has them."""
+    wavelength = 2 * math.pi / inv_freq
+    context = s.original_max_position_embeddings
+    long = wavelength > context / s.low_freq_factor  # stretched
+    short = wavelength < context / s.high_freq_factor  # kept
+    blend = (context / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    between = (1 - blend) * inv_freq / s.factor + blend * inv_freq
+    return torch.where(long, inv_freq / s.factor, torch.where(short, inv_freq, between))
 
 
 def apply_rotary(

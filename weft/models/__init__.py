@@ -9,7 +9,10 @@ from weft.distributed import SINGLE, TensorParallel
 from weft.models.llama import LlamaForCausalLM
 from weft.models.qwen3 import Qwen3ForCausalLM
 
-MODELS: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+# Mistral and Qwen2 are Llama's decoder as their ModelConfig sets it up (biases, window): no class of their own
+MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM,
+}  # fmt: skip
 
 
 def build_model(

@@ -1,4 +1,6 @@
-"""The Llama decoder on weft's layers; Qwen3 (qwen3.py) differs only in normalizing q and k.
+"""The Llama decoder on weft's layers; Qwen3 (qwen3.py) differs only in normalizing q and k. Mistral and Qwen2 are
+this decoder as their configs set it (ModelConfig): Qwen2 with biases on q, k and v, Mistral with a sliding window
+(the engine's to honour), Llama 3.x with its RoPE scaling.
 
 Parameter names follow HF's so weights map one to one, except the fused `qkv_proj`
 (q, k, v) and `gate_up_proj` (gate, up), one matmul each (see weights.py). Under tensor
@@ -47,8 +49,8 @@ class LlamaAttention(nn.Module):
         """`cfg`: this rank's slice (its H_q and H_kv heads)."""
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.qkv_proj = nn.Linear(cfg.E, (cfg.H_q + 2 * cfg.H_kv) * cfg.D, bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(cfg.H_q * cfg.D, cfg.E, cfg.attention_bias, tp)
+        self.qkv_proj = nn.Linear(cfg.E, (cfg.H_q + 2 * cfg.H_kv) * cfg.D, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.H_q * cfg.D, cfg.E, cfg.o_bias, tp)
         self.kernels = True  # RoPE (with the K/V store) in fused.py's kernel where it runs
 
     def head_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
@@ -100,7 +102,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.V, cfg.E, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, attention_cls, tp) for i in range(cfg.L))
         self.norm = RMSNorm(cfg.E, cfg.rms_eps)
-        self.rotary = RotaryEmbedding(cfg.D, cfg.rope_theta, cfg.max_model_len)
+        self.rotary = RotaryEmbedding(cfg.D, cfg.rope_theta, cfg.max_model_len, cfg.rope_scaling)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention[StepT], step: StepT

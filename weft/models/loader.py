@@ -55,6 +55,22 @@ _QWEN3 = dict(  # what the Qwen3 sizes share
     tie_word_embeddings=True,
 )
 
+_LLAMA3 = dict(  # what the Llama 3.x sizes share
+    model_type="llama",
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+)
+
+
+def _llama3_rope(factor: float) -> dict:
+    """Llama 3.x's RoPE parameters, `factor` its own per size (8 for 3.1, 32 for 3.2)."""
+    return dict(rope_type="llama3", rope_theta=500000.0, factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192)
+
+
 # Random-weight models: tiny ones for tests and CPU runs, and the shapes of published
 # checkpoints (their config.json values) for benchmarks.
 NAMED_CONFIGS: dict[str, dict] = {
@@ -80,6 +96,27 @@ NAMED_CONFIGS: dict[str, dict] = {
         **_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16
     ),
     "qwen3-4b": dict(**_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
+    "qwen3-8b": dict(**{**_QWEN3, "tie_word_embeddings": False}, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32),
+    # the other families, each as tiny and at a published size: Qwen2's q/k/v biases, Llama 3's RoPE scaling and
+    # tied embeddings (its 1B and 3B), Mistral's sliding window (below the context, so the engine caps at it)
+    "tiny-qwen2": dict(model_type="qwen2", **_TINY),
+    "tiny-llama3": dict(model_type="llama", **{**_TINY, "tie_word_embeddings": True}, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=256)),
+    "tiny-mistral": dict(model_type="mistral", **_TINY, sliding_window=512),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False),
+    "llama-3.2-1b": dict(**_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+                         tie_word_embeddings=True, rope_parameters=_llama3_rope(32.0)),
+    "llama-3.1-8b": dict(**_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128,
+                         tie_word_embeddings=False, rope_parameters=_llama3_rope(8.0)),
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                       sliding_window=None, tie_word_embeddings=False),
 }
 
 
@@ -172,8 +209,7 @@ def _checkpoint(path: Path, name: str) -> ModelSource:
 
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a HF checkpoint directory: it has no config.json")
-    if not any(path.glob("*.safetensors")):
-        raise ValueError(f"{path} holds no weights: weft reads *.safetensors files, and there are none")
+    _weight_files(path)  # refuses a directory without its weights before anything is read
     hf_config = AutoConfig.from_pretrained(path)
     config = ModelConfig.from_hf(hf_config)  # refuses other architectures before anything is loaded
     tokenizer = None
@@ -188,10 +224,27 @@ def _checkpoint(path: Path, name: str) -> ModelSource:
     return ModelSource(name, config, hf_config, tokenizer, _ids(eos), path=path)
 
 
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the shards its model.safetensors.index.json lists (each must be there),
+    else every *.safetensors file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            raise ValueError(f"{path}: {index.name} lists {missing[0]}, which is not in the directory"
+                             + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        return [path / name for name in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} holds no weights: weft reads *.safetensors files, and there are none")
+    return files
+
+
 def _safetensors(path: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    for file in sorted(path.glob("*.safetensors")):
+    for file in _weight_files(path):
         with safe_open(file, framework="pt", device=str(device)) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 yield key, f.get_tensor(key)
