@@ -7,7 +7,7 @@ from dataclasses import dataclass
 # model_type -> the transformers class weft reimplements
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
 }  # fmt: skip
 
 
@@ -22,6 +22,19 @@ class Llama3Rope:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Qwen3-MoE's sparse MLP: a router picks each token's top_k of num_experts experts (SwiGLUs of
+    intermediate columns), whose outputs it sums weighted by their router probabilities (renormalised over the
+    top_k when norm_topk_prob)."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int
+    norm_topk_prob: bool
+    layers: tuple[int, ...]  # the layers that have it
 
 
 @dataclass(frozen=True)
@@ -43,11 +56,12 @@ class ModelConfig:
     mlp_bias: bool = False
     rope_scaling: Llama3Rope | None = None
     sliding_window: int | None = None  # keys a query sees at most, itself included (None: all of them)
+    moe: MoEConfig | None = None  # the mixture of experts some layers have in place of the MLP
 
     @classmethod
     def from_hf(cls, hf_config) -> ModelConfig:
-        """Reads a transformers Llama, Mistral, Qwen2 or Qwen3 config; any other is a ValueError naming the ones
-        weft serves."""
+        """Reads a transformers Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE config; any other is a ValueError naming
+        the ones weft serves."""
         arch = hf_config.model_type
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -82,7 +96,20 @@ class ModelConfig:
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             rope_scaling=scaling,
             sliding_window=_sliding_window(hf_config),
+            moe=_moe(hf_config),
         )
+
+
+def _moe(hf_config) -> MoEConfig | None:
+    """Qwen3-MoE's experts: in every decoder_sparse_step-th layer not in mlp_only_layers, as HF places them."""
+    if hf_config.model_type != "qwen3_moe" or not hf_config.num_experts:
+        return None
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} for the experts: weft's are SwiGLUs")
+    skip, step = set(hf_config.mlp_only_layers), hf_config.decoder_sparse_step
+    layers = tuple(i for i in range(hf_config.num_hidden_layers) if i not in skip and (i + 1) % step == 0)
+    return MoEConfig(hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+                     bool(hf_config.norm_topk_prob), layers)
 
 
 def _sliding_window(hf_config) -> int | None:

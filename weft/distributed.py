@@ -56,6 +56,8 @@ def check_tensor_parallel(size: int, cfg: ModelConfig) -> None:
     """ValueError unless `size` ranks can split `cfg` evenly (query heads, K/V heads, MLP, vocabulary)."""
     if size == 1:
         return
+    if cfg.moe is not None:
+        raise ValueError(f"tensor_parallel_size={size}: weft does not split a mixture of experts across ranks yet")
     counts = {"query heads": cfg.H_q, "MLP columns": cfg.intermediate, "vocabulary rows": cfg.V}
     for what, n in counts.items():
         if n % size:

@@ -51,3 +51,17 @@ def test_a_tied_embedding_is_read_whole_as_the_output_layer():
 
 def test_no_floor_off_cuda():
     assert floor_s(10**9, torch.device("cpu")) is None
+
+
+def test_a_mixture_of_experts_reads_the_experts_its_tokens_touch():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=100,
+                            num_experts=8, num_experts_per_tok=2, tie_word_embeddings=True)
+    model = Qwen3MoeForCausalLM(config)
+    expert = 3 * 16 * 32 * 4  # one expert's gate, up and down, float32
+    every = weight_bytes(model)
+    assert weight_bytes(model, 1) == every - 2 * (8 - 2) * expert  # each layer reads its 2 experts of 8
+    assert weight_bytes(model, 4) == every - round(2 * 8 * expert * 0.75**4)
+    assert weight_bytes(model, 1) < weight_bytes(model, 4) < weight_bytes(model, 256) <= every

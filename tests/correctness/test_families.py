@@ -1,7 +1,8 @@
 """The families beyond Llama and Qwen3 against HF: Qwen2 (biases on q, k and v), Llama 3.x (its RoPE scaling, tied
-embeddings) and Mistral (a sliding window, which caps the context): tiny random configs through the gate's kinds of
-case, and each family from a local checkpoint directory as a user has one (sharded safetensors with their index,
-a tokenizer with a chat template, generation_config.json's EOS ids)."""
+embeddings), Mistral (a sliding window, which caps the context) and Qwen3-MoE (experts): tiny random configs
+through the gate's kinds of case, and each family from a local checkpoint directory as a user has one (sharded
+safetensors with their index, each expert's tensors apart, a tokenizer with a chat template, generation_config.json's
+EOS ids)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from weft import LLM, SamplingParams
 from weft.benchmark.peer import write_checkpoint
 from weft.config import ModelConfig
 from weft.conformance import CHUNK, Case
+from weft.layers import fused
 from weft.layers.rotary import llama3_frequencies
 from weft.models.loader import NAMED_CONFIGS, resolve_model
 
 pytestmark = pytest.mark.correctness
 
-FAMILIES = ["tiny-qwen2", "tiny-llama3", "tiny-mistral"]
+FAMILIES = ["tiny-qwen2", "tiny-llama3", "tiny-mistral", "tiny-qwen3-moe"]
 CASES = [  # whole prompts and chunks, both schedulers, preemptions, the prefix cache
     Case("paged", "continuous"), Case("paged", "continuous", budget=CHUNK), Case("contiguous", "static"),
     Case("paged", "continuous", pool="small"), Case("paged", "continuous", second_turn=True),
@@ -48,6 +50,18 @@ def test_llama3_frequencies_are_hfs(name):
     # each band is there: kept, stretched and blended frequencies
     assert (got == default).any() and (got == default / cfg.rope_scaling.factor).any()
     assert ((got != default) & (got != default / cfg.rope_scaling.factor)).any()
+
+
+def test_the_experts_kernels_in_the_model_match_hf(reference, device, monkeypatch):
+    """tiny-qwen3-moe through every layer kernel, the fused MoE kernels included (on the CPU in Triton's
+    interpreter), prompts in chunks then decoded: HF's tokens."""
+    monkeypatch.setattr(fused, "on_kernels", lambda x: True)
+    check("tiny-qwen3-moe", Case("paged", "continuous", budget=CHUNK), reference, device)
+
+
+def test_experts_are_not_split_across_ranks_yet():
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: weft does not split a mixture of experts"):
+        LLM("tiny-qwen3-moe", tensor_parallel_size=2, device="cpu")
 
 
 def test_a_window_caps_the_context_and_a_longer_one_is_refused():

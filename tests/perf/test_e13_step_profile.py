@@ -65,7 +65,7 @@ def test_e13_step_profile(benchmark, sizes, model_for, device, shape):
         result = benchmark.pedantic(step_profile, args=(step, STEPS, device), rounds=1, iterations=1)
         # no request finished: every step measured held all B decodes (and the mixed ones a prefill)
         assert len(engine.requests) == B + (2 * STEPS if shape == "mixed" else 0)
-        floor = floor_s(weight_bytes(hf) + context * kv_bytes_per_token(hf), device) if shape != "mixed" else None
+        floor = floor_s(weight_bytes(hf, B) + context * kv_bytes_per_token(hf), device) if shape != "mixed" else None
     finally:
         engine.close()
     benchmark.extra_info.update({

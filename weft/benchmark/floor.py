@@ -17,13 +17,21 @@ from weft.benchmark.workloads import Workload
 from weft.config import ModelConfig
 
 
-def weight_bytes(model: PreTrainedModel) -> int:
+def weight_bytes(model: PreTrainedModel, batch: int | None = None) -> int:
     """The weight bytes one forward pass reads: all of them, but for an input embedding of its own (not the
-    output layer's) only the rows of the pass's tokens, too few to count."""
+    output layer's) only the rows of the pass's tokens, too few to count. Of a mixture of experts, a pass of
+    `batch` tokens reads only the experts they are routed to: at batch 1 its top_k per layer, at batch B the
+    N (1 - (1 - top_k / N) ** B) distinct ones B tokens routed uniformly touch on average (routing that favours
+    some experts touches fewer); None: every expert."""
     embedding = model.get_input_embeddings().weight
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if embedding is not model.get_output_embeddings().weight:
         total -= embedding.numel() * embedding.element_size()
+    config = model.config
+    if batch is not None and getattr(config, "num_experts", 0):
+        N, k = config.num_experts, config.num_experts_per_tok
+        experts = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name)
+        total -= round(experts * (1 - k / N) ** batch)  # the share of the experts no token touches
     return total
 
 

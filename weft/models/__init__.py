@@ -9,9 +9,11 @@ from weft.distributed import SINGLE, TensorParallel
 from weft.models.llama import LlamaForCausalLM
 from weft.models.qwen3 import Qwen3ForCausalLM
 
-# Mistral and Qwen2 are Llama's decoder as their ModelConfig sets it up (biases, window): no class of their own
+# Mistral and Qwen2 are Llama's decoder as their ModelConfig sets it up (biases, window), Qwen3-MoE Qwen3's with
+# experts (ModelConfig.moe): no class of their own
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3ForCausalLM,  # its experts are in the layers its MoEConfig names
 }  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from weft.config import ModelConfig
 from weft.distributed import SINGLE, TensorParallel
 from weft.layers import fused
 from weft.layers.mlp import SwiGLU
+from weft.layers.moe import SparseMoE
 from weft.layers.norm import RMSNorm
 from weft.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from weft.layers.rotary import RotaryEmbedding, apply_rotary, rotate_into_cache
@@ -80,7 +81,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.E, cfg.rms_eps)
         self.self_attn = attention_cls(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.E, cfg.rms_eps)
-        self.mlp = SwiGLU(cfg.E, cfg.intermediate, cfg.mlp_bias, tp)
+        moe = cfg.moe is not None and layer in cfg.moe.layers
+        self.mlp = SparseMoE(cfg.E, cfg.moe) if moe else SwiGLU(cfg.E, cfg.intermediate, cfg.mlp_bias, tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn: Attention[StepT], step: StepT
@@ -137,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         """Whether the layers run weft/layers/fused.py's Triton kernels where they can (CUDA), or PyTorch's ops
         as HF's everywhere (EngineConfig.enable_fused_layers)."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | SwiGLU | LlamaAttention):
+            if isinstance(module, RMSNorm | SwiGLU | SparseMoE | LlamaAttention):
                 module.kernels = on
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -105,6 +105,13 @@ NAMED_CONFIGS: dict[str, dict] = {
         rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=256)),
     "tiny-mistral": dict(model_type="mistral", **_TINY, sliding_window=512),
+    # experts in layer 1, layer 0 dense (mlp_only_layers), as Qwen3-MoE can place them
+    "tiny-qwen3-moe": dict(model_type="qwen3_moe", **_TINY, num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0]),
+    "qwen3-30b-a3b": dict(**{**_QWEN3, "model_type": "qwen3_moe", "num_key_value_heads": 4,
+                             "tie_word_embeddings": False}, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True),
     "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,

@@ -2,12 +2,16 @@
 
 Every source of weights (safetensors files, an in-memory transformers model, seeded random
 weights) is a stream of (HF name, tensor) pairs: each tensor is copied into its rows of weft's
-parameter and dropped, so no second full copy of the model is ever held.
+parameter and dropped, so no second full copy of the model is ever held. A mixture of experts' parameters are
+stacked [N, ...] as HF holds them in memory; a checkpoint on disk holds each expert's tensors apart, and each goes
+into its expert's slice (`expert_piece`).
 """
 
 from __future__ import annotations
 
+import re
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -81,20 +85,46 @@ def load_weights(
     """
     layout = checkpoint_layout(model, cfg, tp)
     params = dict(model.named_parameters())
-    filled = set()
+    filled, pieces = set(), Counter()
     for name, tensor in tensors:
-        slot = layout.get(name)
+        slot, expert = layout.get(name), None
+        if slot is None and (found := expert_piece(name, layout)) is not None:
+            slot, expert, stacked = found
+            pieces[stacked] += 1
         if slot is None:
             continue
         if tuple(tensor.shape) != slot.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != weft's {slot.shape}")
         piece = slot.take(tensor)
-        params[slot.param].narrow(0, slot.start, piece.shape[0]).copy_(piece)
+        target = params[slot.param] if expert is None else params[slot.param][expert]
+        target.narrow(0, slot.start, piece.shape[0]).copy_(piece)
         filled.add(name)
+    # a stacked expert parameter is filled when each expert's pieces are: gate and up for gate_up_proj, down
+    filled |= {name for name, n in pieces.items() if n == layout[name].shape[0] * (2 if "gate_up" in name else 1)}
     missing = [name for name in layout if name not in filled]
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         raise ValueError(f"the checkpoint lacks {shown}")
+
+
+# Checkpoints on disk hold each expert's projections apart (HF saves them so); weft's parameters stack them
+EXPERT_PIECE = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def expert_piece(name: str, layout: dict[str, Slot]) -> tuple[Slot, int, str] | None:
+    """A tensor `name` of one expert's gate, up or down projection -> (its slot within its expert's slice of the
+    stacked parameter, the expert, the stacked parameter's HF name); None for any other name."""
+    match = EXPERT_PIECE.fullmatch(name)
+    if match is None:
+        return None
+    experts, expert, projection = match[1], int(match[2]), match[3]
+    stacked = f"{experts}.{'down_proj' if projection == 'down' else 'gate_up_proj'}"
+    whole = layout.get(stacked)
+    if whole is None or expert >= whole.shape[0]:
+        return None
+    rows = whole.shape[1] if projection == "down" else whole.shape[1] // 2
+    start = whole.shape[1] // 2 if projection == "up" else 0
+    return Slot(whole.param, start, (rows, *whole.shape[2:])), expert, stacked
 
 
 def random_weights(

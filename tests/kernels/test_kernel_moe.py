@@ -1,0 +1,98 @@
+"""The fused MoE kernels (weft/layers/moe.py) against a float64 reference written from the definition, the pairs'
+grouping by expert, and weft's SparseMoE against HF's Qwen3MoeSparseMoeBlock."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from weft.config import MoEConfig
+from weft.layers import fused
+from weft.layers.moe import SparseMoE, experts_reference, fused_experts, group_pairs
+
+pytestmark = pytest.mark.kernels
+
+CPU_DTYPES = [torch.float32]  # the interpreter computes 16-bit types wrongly
+GPU_DTYPES = [pytest.param(d, marks=pytest.mark.gpu) for d in (torch.float32, torch.bfloat16)]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # relative to each row's scale
+
+
+def routed(T: int, N: int, k: int, E: int, I_e: int, dtype: torch.dtype, device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, E, generator=g)
+    gate_up = torch.randn(N, 2 * I_e, E, generator=g) / E**0.5
+    down = torch.randn(N, E, I_e, generator=g) / I_e**0.5
+    ids = torch.stack([torch.randperm(N, generator=g)[:k] for _ in range(T)])  # k distinct experts per token
+    weights = torch.rand(T, k, generator=g)
+    return [t.to(device) if t.dtype == torch.int64 else t.to(dtype).to(device) for t in (x, gate_up, down, weights,
+                                                                                              ids)]
+
+
+def definition(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """Each pair's weighted expert output [T * k, E] in float64, token by token."""
+    I_e = down.shape[2]
+    rows = []
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t].tolist()):
+            h = gate_up[e].double() @ x[t].double()
+            rows.append(down[e].double() @ (F.silu(h[:I_e]) * h[I_e:]) * weights[t, j].double())
+    return torch.stack(rows)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-3)
+    return bool(((got.double().cpu() - want.cpu()) / scale).abs().max() <= TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
+# E and I_e off the 64-wide tiles; T * k pairs below and above the 16-row blocks, an expert with none
+@pytest.mark.parametrize(("T", "N", "k", "E", "I_e"), [(1, 4, 2, 64, 32), (5, 8, 2, 48, 40), (37, 8, 3, 80, 24)])
+def test_fused_experts_match_the_definition(device, dtype, T, N, k, E, I_e):
+    args = routed(T, N, k, E, I_e, dtype, device, seed=T)
+    want = definition(*args)
+    got = fused_experts(*args)
+    assert got.dtype == dtype and got.shape == (T * k, E)
+    assert close(got, want, dtype)
+    assert close(experts_reference(*args), want, dtype)
+
+
+def test_pairs_are_grouped_by_expert_in_padded_blocks(device):
+    T, N, k, M = 37, 8, 3, 16
+    *_, ids = routed(T, N, k, 16, 16, torch.float32, device)
+    ids[:, 0] = 2  # a crowded expert, more than one block of pairs
+    pairs, block_expert = group_pairs(ids, N, M)
+    P = T * k
+    assert pairs.numel() == block_expert.numel() * M == (-(-P // M) + N) * M
+    real = pairs[pairs < P]
+    assert sorted(real.tolist()) == list(range(P))  # every pair once
+    flat = ids.flatten()
+    for b, e in enumerate(block_expert.tolist()):
+        block = pairs[b * M : (b + 1) * M]
+        if e == N:
+            assert (block == P).all()  # past the last group
+        else:
+            assert (flat[block[block < P]] == e).all() and (block < P).any()
+    assert (block_expert[:-1] <= block_expert[1:]).all()
+
+
+def test_sparse_moe_is_hfs_block(monkeypatch):
+    """Routing (softmax, top-k, renormalised) and the experts, in PyTorch ops and through the kernels (on the CPU
+    in the interpreter), against HF's block with the same weights."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = AutoConfig.for_model("qwen3_moe", hidden_size=48, moe_intermediate_size=24, num_experts=8,
+                                  num_experts_per_tok=3, norm_topk_prob=True)
+    hf = Qwen3MoeSparseMoeBlock(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    ours = SparseMoE(48, MoEConfig(8, 3, 24, True, (0,)))
+    ours.load_state_dict(hf.state_dict())  # the same names: gate.weight, experts.gate_up_proj, experts.down_proj
+    x = torch.randn(2, 11, 48, generator=g)
+    want = hf(x).view(22, 48)
+    assert torch.allclose(ours(x.view(22, 48)), want, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(fused, "on_kernels", lambda t: True)
+    assert torch.allclose(ours(x.view(22, 48)), want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,186 @@
+"""Qwen3-MoE's sparse MLP: a router picks each token's top_k experts, each a SwiGLU, and sums their outputs weighted
+by the router's probabilities, as HF's Qwen3MoeSparseMoeBlock does.
+
+On CUDA the experts run as two Triton kernels over all of a layer's (token, expert) pairs at once: the pairs are
+grouped by expert on the device (no host sync, so CUDA graphs can hold it), each block of BLOCK_M pairs of one
+expert multiplies its tokens by that expert's weights, the first kernel gate and up together with SiLU(gate) x up
+in its epilogue, the second down with the router weight in its epilogue. Elsewhere (and as their reference) the
+same arithmetic runs in PyTorch ops on each pair's gathered expert weights: memory T * top_k * 3 * I_e * E, for
+tests and tiny models.
+
+Rounding follows HF's: each projection is rounded to the activations' dtype, SiLU(gate) before the multiply by up,
+the router weight multiplied after down; a token's pairs are summed in ascending expert order. The router's
+softmax and top-k are float32, its weights rounded to the activations' dtype (HF's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from weft.config import MoEConfig
+from weft.layers import fused
+
+
+class Experts(nn.Module):
+    """num_experts SwiGLUs, stacked as HF stores them in memory: gate_up_proj [N, 2 I_e, E] (gate's rows, then up's),
+    down_proj [N, E, I_e]."""
+
+    def __init__(self, E: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate, E))
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, E, moe.intermediate))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, E: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(E, moe.num_experts, bias=False)  # the router
+        self.experts = Experts(E, moe)
+        self.kernels = True  # the Triton kernels where they run (CUDA)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, E] -> (weights [T, top_k] in x's dtype, expert ids [T, top_k] int64)."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, N]
+        weights, ids = probs.topk(self.moe.top_k, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, E] -> [T, E]"""
+        weights, ids = self.route(x)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if self.kernels and fused.on_kernels(x):
+            y = fused_experts(x, gate_up, down, weights, ids)
+        else:
+            y = experts_reference(x, gate_up, down, weights, ids)
+        return sum_by_expert(y, ids)
+
+
+def experts_reference(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """x [T, E], gate_up [N, 2 I_e, E], down [N, E, I_e], weights and ids [T, top_k] -> each pair's weighted output
+    [T * top_k, E] (pair t * top_k + j: token t's j-th expert), in PyTorch ops."""
+    I_e, k = down.shape[2], ids.shape[1]
+    flat = ids.flatten()
+    xs = x.repeat_interleave(k, dim=0)[:, None, :]  # [P, 1, E]
+    h = torch.bmm(xs, gate_up[flat].transpose(1, 2))[:, 0]  # [P, 2 I_e]
+    h = F.silu(h[:, :I_e]) * h[:, I_e:]
+    return torch.bmm(h[:, None, :], down[flat].transpose(1, 2))[:, 0] * weights.reshape(-1, 1)
+
+
+def sum_by_expert(y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each pair's output y [T * top_k, E] -> each token's sum [T, E], its pairs in ascending expert order."""
+    T, k = ids.shape
+    order = ids.argsort(dim=1)  # [T, k]
+    return y.view(T, k, -1).gather(1, order[:, :, None].expand(T, k, y.shape[1])).sum(dim=1)
+
+
+def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, top_k] -> (pairs [M] int64: the (token, expert) pairs p = t * top_k + j grouped by expert, each
+    expert's group padded to a multiple of block_m with P = T * top_k (a pair that writes nowhere); each block's
+    expert [M / block_m] int64, num_experts for blocks past the last group). M = (cdiv(P, block_m) + num_experts)
+    * block_m bounds the padded groups whatever the routing, so the sizes are fixed by T alone."""
+    flat = ids.flatten()
+    P = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = flat.argsort(stable=True)  # pairs by expert, each expert's in pair order
+    expert = flat[order]
+    rank = torch.arange(P, device=ids.device) - (counts.cumsum(0) - counts)[expert]  # within its expert's group
+    blocks = triton.cdiv(P, block_m) + num_experts
+    pairs = torch.full((blocks * block_m,), P, dtype=torch.int64, device=ids.device)
+    pairs[(ends - padded)[expert] + rank] = order
+    starts = torch.arange(blocks, device=ids.device) * block_m
+    return pairs, torch.searchsorted(ends, starts, right=True)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, pairs_ptr, block_expert_ptr, h_ptr, P, TOP_K, NUM_EXPERTS, E, I_e, stride_xt,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    block, col_block = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= NUM_EXPERTS:
+        return
+    pair = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    valid = pair < P
+    token = pair // TOP_K
+    col = col_block * BLOCK_N + tl.arange(0, BLOCK_N)  # of I_e
+    col_ok = col < I_e
+    w = w_ptr + expert.to(tl.int64) * 2 * I_e * E
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, E, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < E
+        a = tl.load(x_ptr + token[:, None] * stride_xt + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        wg = tl.load(w + col[None, :] * E + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        wu = tl.load(w + (I_e + col[None, :]) * E + k[:, None], mask=w_mask, other=0.0)
+        gate = tl.dot(a, wg, gate, input_precision=PRECISION)
+        up = tl.dot(a, wu, up, input_precision=PRECISION)
+    dtype = h_ptr.dtype.element_ty
+    g = gate.to(dtype).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype)  # SiLU, rounded before the multiply by up
+    h = (act.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(h_ptr + pair[:, None].to(tl.int64) * I_e + col[None, :], h, mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, weights_ptr, pairs_ptr, block_expert_ptr, y_ptr, P, NUM_EXPERTS, E, I_e,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    block, col_block = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= NUM_EXPERTS:
+        return
+    pair = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair < P
+    row = pair.to(tl.int64)
+    col = col_block * BLOCK_N + tl.arange(0, BLOCK_N)  # of E
+    col_ok = col < E
+    w = w_ptr + expert.to(tl.int64) * E * I_e
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I_e, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < I_e
+        a = tl.load(h_ptr + row[:, None] * I_e + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w + col[None, :] * I_e + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    dtype = y_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + row, mask=valid, other=0.0).to(tl.float32)
+    y = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
+    tl.store(y_ptr + row[:, None] * E + col[None, :], y, mask=valid[:, None] & col_ok[None, :])
+
+
+def fused_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """`experts_reference` in two Triton kernels: x [T, E], gate_up [N, 2 I_e, E], down [N, E, I_e] (contiguous),
+    weights and ids [T, top_k] -> each pair's weighted output [T * top_k, E]."""
+    (T, E), (N, _, I_e), k = x.shape, down.shape, ids.shape[1]
+    assert x.stride(1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
+    P = T * k
+    block_m = 16 if P <= 1024 else 64  # decode: few pairs per expert; prefill: fewer weight re-reads
+    pairs, block_expert = group_pairs(ids, N, block_m)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 exactly; 16-bit inputs ignore it
+    h = torch.empty(P, I_e, dtype=x.dtype, device=x.device)
+    grid = (block_expert.numel(), triton.cdiv(I_e, 64))
+    _gate_up_kernel[grid](x, gate_up, pairs, block_expert, h, P, k, N, E, I_e, x.stride(0),
+                          BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, PRECISION=precision,
+                          enable_fp_fusion=False)
+    y = torch.empty(P, E, dtype=x.dtype, device=x.device)
+    grid = (block_expert.numel(), triton.cdiv(E, 64))
+    _down_kernel[grid](h, down, weights.reshape(-1).contiguous(), pairs, block_expert, y, P, N, E, I_e,
+                       BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, PRECISION=precision, enable_fp_fusion=False)
+    return y
