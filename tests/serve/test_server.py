@@ -219,6 +219,14 @@ BAD = [
     ("completions", {"model": NAME, "prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ("completions", {"model": NAME, "prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"model": NAME, "prompt": "hi", "best_of": 2}, 400, "best_of"),
+    # vLLM's fields weft does not implement are refused, never ignored (at their "off" values they pass: below)
+    ("completions", {"model": NAME, "prompt": "hi", "skip_special_tokens": False}, 400, "skip_special_tokens"),
+    ("completions", {"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("completions", {"model": NAME, "prompt": "hi", "add_special_tokens": False}, 400, "add_special_tokens"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                          "chat_template_kwargs": {"enable_thinking": False}}, 400, "chat_template_kwargs"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "echo": True}, 400,
+     "echo"),
     ("completions", {"model": NAME, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),  # --max-logprobs 20
     ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": [10**8]}, 400, "stop_token_ids"),
     ("completions", {"model": NAME, "prompt": "hi", "allowed_token_ids": [-3]}, 400, "allowed_token_ids"),
@@ -266,6 +274,18 @@ def test_bad_parameters_get_openai_errors(server, path, body, status, param):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
     assert error["param"] == param and error["message"]
+
+
+@needs_smollm2
+def test_fields_weft_does_not_implement_pass_at_their_off_values(server):
+    off = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "guided_decoding_backend": "xgrammar",
+           "length_penalty": 1.0, "priority": 0, "user": "anyone"}
+    completion = {"model": NAME, "prompt": "hi", "max_tokens": 2, "add_special_tokens": True, "suffix": "", **off}
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "echo": False,
+            "add_generation_prompt": True, "chat_template_kwargs": {}, "add_special_tokens": False, **off}
+    for path, body in (("completions", completion), ("chat/completions", chat)):
+        response = httpx.post(f"{server}/{path}", json=body, timeout=60)
+        assert response.status_code == 200, response.text
 
 
 @needs_smollm2

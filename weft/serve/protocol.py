@@ -11,7 +11,7 @@ are refused unless they are left at what means "off".
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
@@ -20,14 +20,26 @@ from weft.inference.params import RequestOutputKind, SamplingParams
 from weft.inference.structured import StructuredOutputsParams
 
 # field -> the values that mean it is not used
+# OpenAI's and vLLM's fields that change what is generated and weft does not implement: refused unless set to what
+# means "off" (a field ignored would answer other tokens than the client asked for); any other field is ignored,
+# as OpenAI's own server ignores fields it does not know
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "use_beam_search": (None, False),
-}
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    # vLLM's older names for structured outputs (structured_outputs and response_format are weft's)
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_whitespace_pattern": (None,), "guided_decoding_backend": (None, "xgrammar", "auto"),
+    "logits_processors": (None, []), "return_tokens_as_token_ids": (None, False), "prompt_embeds": (None,),
+    "priority": (None, 0), "vllm_xargs": (None, {}), "kv_transfer_params": (None,),
+}  # fmt: skip
+COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "suffix": (None, ""), "add_special_tokens": (None, True)}
+CHAT_UNSUPPORTED = {  # the conversation is rendered by the model's own template, with the generation prompt
+    **UNSUPPORTED, "echo": (None, False), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "add_special_tokens": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None, []), "mm_processor_kwargs": (None, {}), "reasoning_effort": (None,),
+}  # fmt: skip
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bounds; vLLM clamps to them too
 
 
@@ -85,10 +97,12 @@ class GenerationRequest(BaseModel):
     def _nulls_are_defaults(cls, body: Any) -> Any:
         return without_nulls(body)
 
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
+
     def unsupported(self) -> str | None:
-        """The first OpenAI field set to something weft does not do, if any."""
+        """The first OpenAI or vLLM field set to something weft does not do, if any."""
         values = {**(self.model_extra or {})}
-        return next((k for k, off in UNSUPPORTED.items() if k in values and values[k] not in off), None)
+        return next((k for k, off in self.refused.items() if k in values and values[k] not in off), None)
 
     def sampling_params(self) -> SamplingParams:
         """The request's SamplingParams: deltas for a stream, else the final output alone; ValueError / TypeError
@@ -178,6 +192,7 @@ def structured(response_format: Any, outputs: Any) -> StructuredOutputsParams | 
 
 
 class CompletionRequest(GenerationRequest):
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_UNSUPPORTED
     prompt: Any  # text, token ids, or a list of either (checked by weft.inference.inputs)
     logprobs: Any = None  # the legacy API's: how many alternatives each token's logprobs list
     echo: StrictBool = False  # each choice begins with its prompt (and, with logprobs, the prompt's logprobs)
@@ -196,6 +211,7 @@ class CompletionRequest(GenerationRequest):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_UNSUPPORTED
     messages: Any  # [{"role", "content"}, ...], checked by weft.inference.chat
     max_completion_tokens: Any = None  # OpenAI's newer name for max_tokens
     logprobs: Any = False  # the chat API's: whether to return logprobs at all
