@@ -223,6 +223,22 @@ def test_bad_words_are_never_generated(smol):
 
 
 @needs_smollm2
+def test_a_grammar_and_allowed_token_ids_allow_only_the_tokens_in_both(smol):
+    """A choice of two words, and allowed_token_ids that hold only the one greedy does not pick (and EOS): the other
+    word, whole (neither mask alone gives it)."""
+    tok = smol.get_tokenizer()
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    greedy = dict(max_tokens=6, temperature=0.0)
+    picked = smol.generate(["Is the sky blue? Answer:"], SamplingParams(**greedy, structured_outputs=choice),
+                           use_tqdm=False)[0].outputs[0].text
+    other = {"yes": "no", "no": "yes"}[picked]
+    ids = tok.encode(other, add_special_tokens=False) + sorted(smol.llm_engine.eos_token_ids)
+    out = smol.generate(["Is the sky blue? Answer:"], SamplingParams(**greedy, structured_outputs=choice,
+                                                                     allowed_token_ids=ids), use_tqdm=False)[0]
+    assert out.outputs[0].text == other and out.outputs[0].finish_reason == "stop"
+
+
+@needs_smollm2
 def test_structured_outputs_always_parse_beside_free_requests(smol):
     schema = {"type": "object", "required": ["name", "age"],
               "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}

@@ -43,15 +43,16 @@ def kv_bytes_per_token(model: PreTrainedModel) -> int:
 def traffic_bytes(workload: Workload, model: PreTrainedModel) -> int:
     """Bytes that must move to serve `workload` with `model` (its outputs exactly as long as asked).
 
-    A forward pass reads the weights once, and a request of n outputs needs n passes (one token each), so
-    the run takes at least the longest request's n passes. Attention reads or writes each token's K/V once
-    per pass of its request from its own on: the prompt's pass p tokens, the passes of outputs 2 .. n
-    p + 1 .. p + n - 1 (a step's context, its new token in it): n * p + n * (n - 1) / 2 tokens' K/V in all.
+    A forward pass reads the weights once (of a mixture of experts at least each layer's top_k), and a request
+    of n outputs needs n passes (one token each), so the run takes at least the longest request's n passes.
+    Attention reads or writes each token's K/V once per pass of its request from its own on: the prompt's pass
+    p tokens, the passes of outputs 2 .. n p + 1 .. p + n - 1 (a step's context, its new token in it):
+    n * p + n * (n - 1) / 2 tokens' K/V in all.
     """
     passes = max(r.max_tokens for r in workload.requests)
     tokens = sum(r.max_tokens * len(r.prompt_token_ids) + r.max_tokens * (r.max_tokens - 1) // 2
                  for r in workload.requests)
-    return passes * weight_bytes(model) + tokens * kv_bytes_per_token(model)
+    return passes * weight_bytes(model, 1) + tokens * kv_bytes_per_token(model)
 
 
 def floor_s(nbytes: int, device: torch.device) -> float | None:

@@ -76,11 +76,19 @@ class SamplingState:
                 penalized.append((i, s))
             if s.matcher is not None:
                 grammar_rows.append((i, s))
-        allowed = torch.zeros(len(allowed_rows), self.V, dtype=torch.bool, device=self.device)
+        # one row of allowed tokens per request that has some: its allowed_token_ids, its grammar's, or the tokens
+        # in both (a logits row may appear once in allowed_rows: adjust writes each row of it back once)
+        listed = len(allowed_rows)
+        allowed = torch.zeros(listed, self.V, dtype=torch.bool, device=self.device)
         allowed[self._ints(allowed_at), self._ints(allowed_ids)] = True
-        if grammar_rows:  # a grammar's tokens are its allowed ones; one with allowed_token_ids too gets both rows
-            allowed = torch.cat([allowed, grammar_masks([s for _, s in grammar_rows], self.V, self.device)])
-            allowed_rows += [i for i, _ in grammar_rows]
+        if grammar_rows:
+            at = {row: n for n, row in enumerate(allowed_rows)}
+            unlisted = [i for i, _ in grammar_rows if i not in at]
+            allowed = torch.cat([allowed, torch.ones(len(unlisted), self.V, dtype=torch.bool, device=self.device)])
+            at.update((row, listed + n) for n, row in enumerate(unlisted))
+            allowed_rows += unlisted
+            grammar = self._ints([at[i] for i, _ in grammar_rows])
+            allowed[grammar] &= grammar_masks([s for _, s in grammar_rows], self.V, self.device)
         count_rows = self._rows([s for _, s in penalized])
         pen = [s.params for _, s in penalized]
         floats = torch.tensor([[p.presence_penalty for p in pen], [p.frequency_penalty for p in pen],
@@ -115,7 +123,8 @@ class SamplingState:
             self.row_of[seq] = row
             prompt, output = self._ints(seq.prompt_token_ids), self._ints(seq.token_ids[seq.num_prompt_tokens :])
             self.in_prompt[row].zero_().index_fill_(0, prompt, True)
-            self.counts[row] = torch.bincount(output, minlength=self.V).to(torch.int32)
+            # index_add_, not bincount: bincount's length waits on the device for the largest id
+            self.counts[row].zero_().index_add_(0, output, torch.ones_like(output, dtype=torch.int32))
         return self._ints([self.row_of[seq] for seq in seqs])
 
     def _free_row(self) -> int:

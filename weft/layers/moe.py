@@ -1,16 +1,16 @@
 """Qwen3-MoE's sparse MLP: a router picks each token's top_k experts, each a SwiGLU, and sums their outputs weighted
 by the router's probabilities, as HF's Qwen3MoeSparseMoeBlock does.
 
-On CUDA the experts run as two Triton kernels over all of a layer's (token, expert) pairs at once: the pairs are
-grouped by expert on the device (no host sync, so CUDA graphs can hold it), each block of BLOCK_M pairs of one
-expert multiplies its tokens by that expert's weights, the first kernel gate and up together with SiLU(gate) x up
-in its epilogue, the second down with the router weight in its epilogue. Elsewhere (and as their reference) the
-same arithmetic runs in PyTorch ops on each pair's gathered expert weights: memory T * top_k * 3 * I_e * E, for
-tests and tiny models.
+On CUDA the experts run as two Triton kernels over all of a layer's (token, expert) pairs at once, with or
+without the other fused layer kernels (EngineConfig.enable_fused_layers): the pairs are grouped by expert on the
+device (no host sync, so CUDA graphs can hold it), each block of BLOCK_M pairs of one expert multiplies its tokens
+by that expert's weights, the first kernel gate and up together with SiLU(gate) x up in its epilogue, the second
+down with the router weight in its epilogue. Elsewhere (and as their reference) the same arithmetic runs in PyTorch
+ops on each pair's gathered expert weights: memory T * top_k * 3 * I_e * E, for tests and tiny models on the CPU.
 
 Rounding follows HF's: each projection is rounded to the activations' dtype, SiLU(gate) before the multiply by up,
-the router weight multiplied after down; a token's pairs are summed in ascending expert order. The router's
-softmax and top-k are float32, its weights rounded to the activations' dtype (HF's).
+the router weight multiplied after down, a token's pairs summed in top-k order (as HF's default grouped_mm
+experts do). The router's softmax and top-k are float32, its weights rounded to the activations' dtype.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ class SparseMoE(nn.Module):
         self.moe = moe
         self.gate = nn.Linear(E, moe.num_experts, bias=False)  # the router
         self.experts = Experts(E, moe)
-        self.kernels = True  # the Triton kernels where they run (CUDA)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, E] -> (weights [T, top_k] in x's dtype, expert ids [T, top_k] int64)."""
@@ -55,11 +54,9 @@ class SparseMoE(nn.Module):
         """x [T, E] -> [T, E]"""
         weights, ids = self.route(x)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if self.kernels and fused.on_kernels(x):
-            y = fused_experts(x, gate_up, down, weights, ids)
-        else:
-            y = experts_reference(x, gate_up, down, weights, ids)
-        return sum_by_expert(y, ids)
+        run = fused_experts if fused.on_kernels(x) else experts_reference
+        T, k = ids.shape
+        return run(x, gate_up, down, weights, ids).view(T, k, -1).sum(dim=1)
 
 
 def experts_reference(
@@ -73,13 +70,6 @@ def experts_reference(
     h = torch.bmm(xs, gate_up[flat].transpose(1, 2))[:, 0]  # [P, 2 I_e]
     h = F.silu(h[:, :I_e]) * h[:, I_e:]
     return torch.bmm(h[:, None, :], down[flat].transpose(1, 2))[:, 0] * weights.reshape(-1, 1)
-
-
-def sum_by_expert(y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Each pair's output y [T * top_k, E] -> each token's sum [T, E], its pairs in ascending expert order."""
-    T, k = ids.shape
-    order = ids.argsort(dim=1)  # [T, k]
-    return y.view(T, k, -1).gather(1, order[:, :, None].expand(T, k, y.shape[1])).sum(dim=1)
 
 
 def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

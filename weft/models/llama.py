@@ -139,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         """Whether the layers run weft/layers/fused.py's Triton kernels where they can (CUDA), or PyTorch's ops
         as HF's everywhere (EngineConfig.enable_fused_layers)."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | SwiGLU | SparseMoE | LlamaAttention):
+            if isinstance(module, RMSNorm | SwiGLU | LlamaAttention):  # the experts have no PyTorch path fit to serve
                 module.kernels = on
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
