@@ -56,6 +56,7 @@ class ModelConfig:
     mlp_bias: bool = False
     rope_scaling: Llama3Rope | None = None
     sliding_window: int | None = None  # keys a query sees at most, itself included (None: all of them)
+    window_layers: tuple[int, ...] = ()  # the layers that attend within it (Mistral's: all; Qwen2's: some)
     moe: MoEConfig | None = None  # the mixture of experts some layers have in place of the MLP
 
     @classmethod
@@ -78,6 +79,7 @@ class ModelConfig:
         theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         H_q = hf_config.num_attention_heads
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        window, window_layers = _sliding_window(hf_config)
         return cls(
             arch=arch,
             V=hf_config.vocab_size,
@@ -95,7 +97,8 @@ class ModelConfig:
             o_bias=attention_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             rope_scaling=scaling,
-            sliding_window=_sliding_window(hf_config),
+            sliding_window=window,
+            window_layers=window_layers,
             moe=_moe(hf_config),
         )
 
@@ -112,15 +115,14 @@ def _moe(hf_config) -> MoEConfig | None:
                      bool(hf_config.norm_topk_prob), layers)
 
 
-def _sliding_window(hf_config) -> int | None:
-    """The window of a config whose layers (any of them) attend within one: Mistral's sliding_window, Qwen2's
-    where use_sliding_window puts layers in it."""
+def _sliding_window(hf_config) -> tuple[int | None, tuple[int, ...]]:
+    """The window and the layers that attend within it: Mistral's sliding_window in every layer, Qwen2's in the
+    layers its layer_types make sliding (where use_sliding_window); (None, ()) for none."""
     window = getattr(hf_config, "sliding_window", None)
     if window is None:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
+        return None, ()
     if hf_config.model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
-        return None
-    return int(window)
+        return None, ()
+    types = getattr(hf_config, "layer_types", None) or ["sliding_attention"] * hf_config.num_hidden_layers
+    layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return (int(window), layers) if layers else (None, ())

@@ -64,13 +64,39 @@ def test_experts_are_not_split_across_ranks_yet():
         LLM("tiny-qwen3-moe", tensor_parallel_size=2, device="cpu")
 
 
-def test_a_window_caps_the_context_and_a_longer_one_is_refused():
-    assert resolve_model("tiny-mistral").config.sliding_window == 512
-    with LLM("tiny-mistral", device="cpu", num_blocks=64) as llm:
-        assert llm.llm_engine.config.max_model_len == 512  # the model's context is 1024
-    with pytest.raises(ValueError, match="max_model_len=600 is above the model's sliding window of 512 tokens"):
-        LLM("tiny-mistral", device="cpu", max_model_len=600)
+def test_windows_are_read_from_the_config_and_attended_within_beyond_their_length(device):
+    """tiny-mistral's window (16 keys) binds in the gate's cases above; Qwen2's holds in the layers its
+    use_sliding_window and max_window_layers put in it, the others attending to every key: HF's tokens."""
+    mistral = resolve_model("tiny-mistral").config
+    assert (mistral.sliding_window, mistral.window_layers) == (16, (0, 1))
     assert resolve_model("tiny-qwen2").config.sliding_window is None  # Qwen2's window is off unless it is used
+    values = dict(NAMED_CONFIGS["tiny-qwen2"], use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values)).to(device).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3, generator=torch.Generator(device).manual_seed(p.numel()))
+    cfg = ModelConfig.from_hf(hf.config)
+    assert (cfg.sliding_window, cfg.window_layers) == (8, (1,))
+    prompt = list(range(3, 23))  # 20 tokens: past the window
+    want = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                       eos_token_id=None)[0, len(prompt):].tolist()
+    full = dict(values, use_sliding_window=False)
+    unwindowed = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **full)).to(device).eval()
+    unwindowed.load_state_dict(hf.state_dict())
+    assert unwindowed.generate(torch.tensor([prompt], device=device), max_new_tokens=10, min_new_tokens=10,
+                               do_sample=False, eos_token_id=None)[0, len(prompt):].tolist() != want
+    for attention in ("paged", "contiguous"):
+        with LLM(hf, attention=attention, device=device, num_blocks=64, max_model_len=128) as llm:
+            params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+            assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want, attention
+
+
+@pytest.mark.gpu
+def test_triton_serves_a_windowed_model_up_to_its_window():
+    with LLM("tiny-mistral", attention="triton", device="cuda", num_blocks=64) as llm:
+        assert llm.llm_engine.config.max_model_len == 16  # the model's context is 1024
+    with pytest.raises(ValueError, match="max_model_len=600 is above the model's sliding window of 16 tokens"):
+        LLM("tiny-mistral", attention="triton", device="cuda", max_model_len=600)
 
 
 @pytest.fixture(params=FAMILIES)

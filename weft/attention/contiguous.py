@@ -22,7 +22,7 @@ class ContiguousBackend(AttentionBackend[PaddedStep]):
         return (2, cfg.L, num_blocks, cfg.H_kv, block_size, cfg.D)
 
     def plan(self, meta: AttentionMetadata) -> PaddedStep:
-        return plan_padded(meta)
+        return plan_padded(meta, self.cfg.sliding_window)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: PaddedStep) -> None:
         slots = step.meta.slot_mapping
@@ -35,4 +35,4 @@ class ContiguousBackend(AttentionBackend[PaddedStep]):
         rows, end = meta.block_tables[:, 0].long(), meta.max_context_len
         k = self.kv_cache[0, layer, :, :, :end][rows]  # [B, H_kv, S, D]
         v = self.kv_cache[1, layer, :, :, :end][rows]
-        return attend_padded(q, k, v, step, self.scale, out)
+        return attend_padded(q, k, v, step, self.scale, out, layer in self.cfg.window_layers)

@@ -39,7 +39,7 @@ class PagedBackend(PagedSlab[PaddedStep]):
     name = "paged"
 
     def plan(self, meta: AttentionMetadata) -> PaddedStep:
-        return plan_padded(meta)
+        return plan_padded(meta, self.cfg.sliding_window)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: PaddedStep) -> None:
         cache = self.cache_slots(layer, step)
@@ -52,5 +52,5 @@ class PagedBackend(PagedSlab[PaddedStep]):
         table = meta.block_tables[:, : -(-S // P)].long()  # [B, ceil(S / P)]
         k = self.kv_cache[0, layer][table].flatten(1, 2)[:, :S].transpose(1, 2)  # [B, H_kv, S, D]
         v = self.kv_cache[1, layer][table].flatten(1, 2)[:, :S].transpose(1, 2)
-        return attend_padded(q, k, v, step, self.scale, out)
+        return attend_padded(q, k, v, step, self.scale, out, layer in self.cfg.window_layers)
 

@@ -30,6 +30,7 @@ class TritonStep:
 
 class TritonBackend(PagedSlab[TritonStep]):
     name = "triton"
+    windows = False  # its kernels read every key of the context: served up to a sliding window only
     cuda_graphs = True  # `plan` needs only host ints; the kernels read every length from device memory
     max_decodes = 65535  # the decode kernel's grid holds requests on its third axis
 

@@ -114,17 +114,19 @@ class EngineConfig:
 
     def for_model(self, model: ModelConfig) -> EngineConfig:
         """This config with the model's limits filled in: max_model_len (refused above the model's context, as
-        vLLM does, or above its sliding window) and max_num_batched_tokens (CHUNKED_BUDGET with chunked prefill,
-        else max_model_len: a whole prompt in one step); and the backend's checks of the shape."""
+        vLLM does, or above its sliding window where the backend does not attend within one) and
+        max_num_batched_tokens (CHUNKED_BUDGET with chunked prefill, else max_model_len: a whole prompt in one
+        step); and the backend's checks of the shape."""
         context = model.max_model_len
         if self.max_model_len is not None and self.max_model_len > context:
             raise ValueError(f"max_model_len={self.max_model_len} is above the model's context of {context} tokens")
-        if model.sliding_window is not None and model.sliding_window < context:
+        if model.sliding_window is not None and model.sliding_window < context and not self.backend.windows:
             # up to the window, every query sees all its keys: full attention is the windowed one
             if self.max_model_len is not None and self.max_model_len > model.sliding_window:
                 raise ValueError(f"max_model_len={self.max_model_len} is above the model's sliding window of "
-                                 f"{model.sliding_window} tokens: weft does not attend within a window yet, so it "
-                                 f"serves such a model up to max_model_len={model.sliding_window}")
+                                 f"{model.sliding_window} tokens: the {self.attention} backend does not attend "
+                                 f"within a window, so it serves such a model up to max_model_len="
+                                 f"{model.sliding_window} (contiguous and paged attend within it)")
             context = model.sliding_window
         self.backend.check_model(model)
         check_tensor_parallel(self.tensor_parallel_size, model)

@@ -99,12 +99,12 @@ NAMED_CONFIGS: dict[str, dict] = {
     "qwen3-8b": dict(**{**_QWEN3, "tie_word_embeddings": False}, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32),
     # the other families, each as tiny and at a published size: Qwen2's q/k/v biases, Llama 3's RoPE scaling and
-    # tied embeddings (its 1B and 3B), Mistral's sliding window (below the context, so the engine caps at it)
+    # tied embeddings (its 1B and 3B), Mistral's sliding window
     "tiny-qwen2": dict(model_type="qwen2", **_TINY),
     "tiny-llama3": dict(model_type="llama", **{**_TINY, "tie_word_embeddings": True}, rope_parameters=dict(
         rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=256)),
-    "tiny-mistral": dict(model_type="mistral", **_TINY, sliding_window=512),
+    "tiny-mistral": dict(model_type="mistral", **_TINY, sliding_window=16),  # the gate's requests outgrow it
     # experts in layer 1, layer 0 dense (mlp_only_layers), as Qwen3-MoE can place them
     "tiny-qwen3-moe": dict(model_type="qwen3_moe", **_TINY, num_experts=8, num_experts_per_tok=2,
                            moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0]),
