@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from weft import LLM, SamplingParams
 from weft.benchmark.peer import write_checkpoint
 from weft.config import ModelConfig
 from weft.conformance import CHUNK, Case
-from weft.layers import fused
+from weft.layers import moe
 from weft.layers.rotary import llama3_frequencies
 from weft.models.loader import NAMED_CONFIGS, resolve_model
 
@@ -53,9 +54,9 @@ def test_llama3_frequencies_are_hfs(name):
 
 
 def test_the_experts_kernels_in_the_model_match_hf(reference, device, monkeypatch):
-    """tiny-qwen3-moe through every layer kernel, the fused MoE kernels included (on the CPU in Triton's
-    interpreter), prompts in chunks then decoded: HF's tokens."""
-    monkeypatch.setattr(fused, "on_kernels", lambda x: True)
+    """tiny-qwen3-moe's experts through the fused MoE kernels (on the CPU in Triton's interpreter; the other
+    layer kernels are test_token_exact's), prompts in chunks then decoded: HF's tokens."""
+    monkeypatch.setattr(moe, "fused", SimpleNamespace(on_kernels=lambda x: True))
     check("tiny-qwen3-moe", Case("paged", "continuous", budget=CHUNK), reference, device)
 
 
