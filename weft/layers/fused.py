@@ -66,15 +66,21 @@ def add_rms_norm(
 
 
 @triton.jit
+def silu_times(gate, up, dtype: tl.constexpr):
+    """SiLU(gate) * up in `dtype`, SiLU rounded to it before the multiply (PyTorch's); gate and up hold values of
+    `dtype` (the experts' kernels use it too)."""
+    act = tl.math.div_rn(gate.to(tl.float32), 1.0 + tl.exp(-gate.to(tl.float32))).to(dtype)  # `/` as PyTorch's
+    return (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, INTER: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < INTER
-    gate = tl.load(x_ptr + t * stride_xt + col, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + t * stride_xt + col, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * stride_xt + INTER + col, mask=mask, other=0.0)
-    act = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(out_ptr.dtype.element_ty)  # `/` rounded as PyTorch's
-    tl.store(out_ptr + t * INTER + col, (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + t * INTER + col, silu_times(gate, up, out_ptr.dtype.element_ty), mask=mask)
 
 
 SILU_BLOCK = 1024  # columns per program

@@ -23,6 +23,7 @@ from torch import nn
 
 from weft.config import MoEConfig
 from weft.layers import fused
+from weft.layers.fused import silu_times
 
 
 class Experts(nn.Module):
@@ -119,9 +120,7 @@ def _gate_up_kernel(
         gate = tl.dot(a, wg, gate, input_precision=PRECISION)
         up = tl.dot(a, wu, up, input_precision=PRECISION)
     dtype = h_ptr.dtype.element_ty
-    g = gate.to(dtype).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype)  # SiLU, rounded before the multiply by up
-    h = (act.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+    h = silu_times(gate.to(dtype), up.to(dtype), dtype)  # each projection rounded first, as HF's
     tl.store(h_ptr + pair[:, None].to(tl.int64) * I_e + col[None, :], h, mask=valid[:, None] & col_ok[None, :])
 
 
