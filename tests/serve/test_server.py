@@ -223,6 +223,8 @@ BAD = [
     ("completions", {"model": NAME, "prompt": "hi", "skip_special_tokens": False}, 400, "skip_special_tokens"),
     ("completions", {"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
     ("completions", {"model": NAME, "prompt": "hi", "add_special_tokens": False}, 400, "add_special_tokens"),
+    ("completions", {"model": NAME, "prompt": "hi", "truncate_prompt_tokens": 1, "truncation_side": "right"}, 400,
+     "truncation_side"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
                           "chat_template_kwargs": {"enable_thinking": False}}, 400, "chat_template_kwargs"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "echo": True}, 400,
@@ -279,7 +281,7 @@ def test_bad_parameters_get_openai_errors(server, path, body, status, param):
 @needs_smollm2
 def test_fields_weft_does_not_implement_pass_at_their_off_values(server):
     off = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "guided_decoding_backend": "xgrammar",
-           "length_penalty": 1.0, "priority": 0, "user": "anyone"}
+           "length_penalty": 1.0, "priority": 0, "truncation_side": "left", "user": "anyone"}
     completion = {"model": NAME, "prompt": "hi", "max_tokens": 2, "add_special_tokens": True, "suffix": "", **off}
     chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "echo": False,
             "add_generation_prompt": True, "chat_template_kwargs": {}, "add_special_tokens": False, **off}

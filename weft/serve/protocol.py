@@ -32,6 +32,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (None,), "guided_decoding_backend": (None, "xgrammar", "auto"),
     "logits_processors": (None, []), "return_tokens_as_token_ids": (None, False), "prompt_embeds": (None,),
     "priority": (None, 0), "vllm_xargs": (None, {}), "kv_transfer_params": (None,),
+    "truncation_side": (None, "left"),  # truncate_prompt_tokens keeps a prompt's last tokens
 }  # fmt: skip
 COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "suffix": (None, ""), "add_special_tokens": (None, True)}
 CHAT_UNSUPPORTED = {  # the conversation is rendered by the model's own template, with the generation prompt
