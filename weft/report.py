@@ -11,6 +11,7 @@ Runs of several machines are refused.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -69,9 +70,13 @@ COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "step_ms": ("step (ms)", _3g), "gpu_busy_ms": ("GPU busy (ms)", _3g), "gpu_idle_ms": ("GPU idle (ms)", _3g),
     "floor_ms": ("floor (ms)", _3g), "step_floor_ratio": ("step ÷ floor", _3g),
     "floor_s": ("floor (s)", _3g), "makespan_floor_ratio": ("makespan ÷ floor", _3g),
+    "weights_bytes": ("weights read per step (GB)", _gb), "weights_floor_s": ("weights floor (ms)", _ms),
+    "itl_floor_ratio": ("ITL p50 ÷ weights floor", _3g), "with_grouping_s": ("with grouping (ms)", _ms),
+    "bytes": ("bytes moved (GB)", _gb),
 }
 # derived columns: each a measured time over its memory-traffic floor (e13's per step, the others' per run)
-RATIOS = {"step_floor_ratio": ("step_ms", "floor_ms"), "makespan_floor_ratio": ("makespan_s", "floor_s")}
+RATIOS = {"step_floor_ratio": ("step_ms", "floor_ms"), "makespan_floor_ratio": ("makespan_s", "floor_s"),
+          "itl_floor_ratio": ("itl_p50_s", "weights_floor_s")}
 FLOOR = ["floor_s", "makespan_floor_ratio"]  # the decode-heavy experiments' columns
 TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns, metric columns)
     "e1": (["config", "S"], ["ttft_p50_s", "itl_p50_s", "output_tok_s", "peak_mem_bytes"]),
@@ -92,6 +97,12 @@ TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns
     "e9": (["server", "config", "workload", "request_rate"],
            ["median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_tok_s",
             "request_goodput"]),
+    "e15": (["model", "config", "B"], ["ttft_p50_s", "itl_p50_s", "weights_floor_s", "itl_floor_ratio", "output_tok_s",
+                                       "peak_mem_bytes", *FLOOR]),
+    "e15_itl": (["model", "config"], ["itl_p50_s", "weights_bytes", "weights_floor_s", "itl_floor_ratio",
+                                      "ttft_p50_s"]),
+    "e15_kernel": (["model", "B", "top_k", "num_experts", "experts_touched"],
+                   ["time_s", "with_grouping_s", "bytes", "gbps", "pct_of_copy"]),
 }
 COMPARED = ["output_tok_s", "makespan_s", "ttft_p50_s", "itl_p50_s", "gbps", "time_s"]
 
@@ -284,9 +295,26 @@ def profile_notes(df: pd.DataFrame) -> list[str]:
     return notes
 
 
+def family_notes(df: pd.DataFrame) -> list[str]:
+    """e15_itl: each pair of dense models' batch-1 ITL p50, one over the other, beside their weights' (the same
+    machinery: no family should cost more than its bytes)."""
+    dense = df[df["num_experts"] == 0].sort_values("model") if "num_experts" in df else df.iloc[:0]
+    return [f"ITL p50, {a.model} ÷ {b.model}: {a.itl_p50_s * 1e3:.2f} ÷ {b.itl_p50_s * 1e3:.2f} ms ="
+            f" {a.itl_p50_s / b.itl_p50_s:.2f}× (weights read per step: {a.weights_bytes / b.weights_bytes:.2f}×)."
+            for a, b in itertools.combinations(dense.itertuples(), 2)]
+
+
+def kernel_notes(df: pd.DataFrame) -> list[str]:
+    """e15_kernel: what its times and bytes count."""
+    return ["time: the gate_up and down kernels over (token, expert) pairs already grouped by expert; with grouping:"
+            " the layer's whole expert pass (`fused_experts`). Bytes moved: each expert the tokens touch (its gate_up"
+            " and down), the tokens in and each pair's output out; % of copy: their rate over the copy bandwidth."]
+
+
 NOTES: dict[str, Callable[[pd.DataFrame], list[str]]] = {
     "e2": batch_sweep_notes, "e4": clock_notes, "e9": serving_notes, "e11": prefix_cache_notes,
-    "e12": ablation_notes, "e13": profile_notes,
+    "e12": ablation_notes, "e13": profile_notes, "e15": batch_sweep_notes, "e15_itl": family_notes,
+    "e15_kernel": kernel_notes,
 }
 
 

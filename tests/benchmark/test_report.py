@@ -481,3 +481,15 @@ def test_decode_heavy_tables_show_the_floor_and_each_makespan_over_it(tmp_path):
     assert re.search(r"\| hf_generate \|.*\| 240 \|.*\| 4 \| 60 \|$", e8, re.M)
     e4 = reported_section(tmp_path / "e4", [serving("e4", "continuous×triton", floor_s=4.0)], "e4")
     assert "floor" not in e4  # arrivals, not the memory, set e4's makespan
+
+
+def test_e15_itl_shows_each_model_over_its_floor_and_divides_the_dense_families(tmp_path):
+    rows = [serving("e15_itl", "continuous×triton", model=model, B=1, itl_p50_s=itl, weights_bytes=nbytes,
+                    weights_floor_s=floor, num_experts=experts, name=f"test_e15_batch1_itl[{model}]")
+            for model, itl, nbytes, floor, experts in (("llama-3.1-8b", 0.0039, 15.0e9, 0.0035, 0),
+                                                       ("qwen3-8b", 0.0038, 15.1e9, 0.0035, 0),
+                                                       ("qwen3-30b-a3b", 0.0029, 6.1e9, 0.00145, 128))]
+    e15 = reported_section(tmp_path, rows, "e15_itl")
+    assert "| qwen3-30b-a3b | continuous×triton | 2.9 | 6.1 | 1.45 | 2 |" in e15  # ITL ÷ its weights floor
+    assert "ITL p50, llama-3.1-8b ÷ qwen3-8b: 3.90 ÷ 3.80 ms = 1.03× (weights read per step: 0.99×)." in e15
+    assert "qwen3-30b-a3b ÷" not in e15 and "÷ qwen3-30b-a3b" not in e15  # a mixture of experts is no dense peer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from weft import LLM, SamplingParams
 from weft.inference.block_manager import BlockManager
@@ -111,3 +112,51 @@ def test_the_engine_reports_its_hit_rate_and_aborts_release_only_their_reference
         assert finished[0].outputs[0].token_ids == first
     with pytest.raises(ValueError, match="the contiguous backend does not support prefix caching"):
         LLM("tiny-llama", attention="contiguous", enable_prefix_caching=True, device=device)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_blocks_behind_a_sliding_window_go_back_to_the_pool(prefix_caching):
+    """W = 6, P = 4: after n computed tokens the next query (at n) sees n - 5 .. n, so the blocks ending before
+    n - 5 are free again, their entries 0; releasing frees the rest once each; cached ones stay findable."""
+    blocks = BlockManager(8, P, prefix_caching=prefix_caching, window=6)
+    s = seq(list(range(9)))
+    blocks.grow(s, 9)
+    held = list(s.block_table)
+    s.num_computed_tokens = 9  # the next query at 9 sees 4 .. 9: block 0 (0 .. 3) is behind
+    blocks.commit(s)
+    assert s.block_table == [0, *held[1:]] and s.num_dropped_blocks == 1 and blocks.refs[held[0]] == 0
+    assert blocks.num_free == 8 - 2
+    for n in range(10, 14):  # decodes: n - 5 reaches 8 at n = 13, leaving block 1 (4 .. 7) behind
+        s.token_ids.append(n)
+        blocks.grow(s, n + 1)
+        s.num_computed_tokens = n
+        blocks.commit(s)
+    assert s.num_dropped_blocks == 2 and s.block_table[:2] == [0, 0] and blocks.num_free == 8 - 2
+    if prefix_caching:  # the blocks left behind are registered first: another prompt still finds them
+        assert blocks.cached_prefix(seq(list(range(9)))) == held[:2]
+    blocks.release(s)
+    assert blocks.num_free == 8 and not any(blocks.refs)
+
+
+def test_a_windowed_model_holds_only_its_window_and_serves_hfs_tokens():
+    """tiny-mistral (W = 16) in blocks of 4 through a prompt and generation of 80 tokens: once past the window a
+    request holds at most the window's blocks and the one being filled, and its tokens are HF's."""
+    from weft.inference.config import EngineConfig
+    from weft.inference.engine import LLMEngine
+    from weft.models.loader import reference_model, resolve_model
+
+    hf = reference_model(resolve_model("tiny-mistral"), torch.float32, torch.device("cpu"))
+    prompt = list(range(3, 43))
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                       eos_token_id=None)[0, len(prompt):].tolist()
+    engine = LLMEngine(EngineConfig(hf, device="cpu", block_size=4, num_blocks=32, max_num_batched_tokens=8))
+    engine.add_request("r", prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    most, out = 0, None
+    while engine.has_unfinished_requests():
+        for seq in engine.requests.get("r", []):
+            most = max(most, len(seq.block_table) - seq.num_dropped_blocks)
+        for o in engine.step():
+            out = o
+    assert out.outputs[0].token_ids == want
+    assert most <= 16 // 4 + 3  # the window's blocks, the chunk of 8 being filled, and the block ahead of it
+    assert engine.blocks.num_free == 32

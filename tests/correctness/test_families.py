@@ -17,6 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from tests.correctness.test_token_exact import check
 from weft import LLM, SamplingParams
+from weft.attention import available_backends
 from weft.benchmark.peer import write_checkpoint
 from weft.config import ModelConfig
 from weft.conformance import CHUNK, Case
@@ -86,18 +87,10 @@ def test_windows_are_read_from_the_config_and_attended_within_beyond_their_lengt
     unwindowed.load_state_dict(hf.state_dict())
     assert unwindowed.generate(torch.tensor([prompt], device=device), max_new_tokens=10, min_new_tokens=10,
                                do_sample=False, eos_token_id=None)[0, len(prompt):].tolist() != want
-    for attention in ("paged", "contiguous"):
+    for attention in available_backends(device):
         with LLM(hf, attention=attention, device=device, num_blocks=64, max_model_len=128) as llm:
             params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
             assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want, attention
-
-
-@pytest.mark.gpu
-def test_triton_serves_a_windowed_model_up_to_its_window():
-    with LLM("tiny-mistral", attention="triton", device="cuda", num_blocks=64) as llm:
-        assert llm.llm_engine.config.max_model_len == 16  # the model's context is 1024
-    with pytest.raises(ValueError, match="max_model_len=600 is above the model's sliding window of 16 tokens"):
-        LLM("tiny-mistral", attention="triton", device="cuda", max_model_len=600)
 
 
 @pytest.fixture(params=FAMILIES)

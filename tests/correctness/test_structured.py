@@ -197,3 +197,32 @@ def test_ids_past_the_tokenizer_are_never_allowed(smollm2):
     wider.matcher(StructuredOutputsParams(json_object=True)).fill(bitmask, 0)
     allowed = allowed_tokens(bitmask, len(tok) + 40)[0]
     assert not allowed[len(tok):].any() and allowed[: len(tok)].any()
+
+
+@needs_smollm2
+def test_a_model_serves_with_the_tokenizer_it_is_given():
+    """`tokenizer` (vLLM's) replaces the model's: SmolLM2's shape with random weights, which has no tokenizer of its
+    own, decodes text and follows a grammar through SmolLM2's."""
+    from weft import LLM, SamplingParams
+
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    with LLM("smollm2-135m", tokenizer=DEFAULT_MODEL, max_model_len=64, num_blocks=16) as llm:
+        out = llm.generate(["Is the sky blue?"], SamplingParams(max_tokens=8, structured_outputs=spec))[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "error", "message"),
+    [
+        pytest.param(DEFAULT_MODEL, ValueError, "tokenizer 'smollm2-135m-instruct' has 49152 tokens, more than the "
+                     "model's vocabulary of 512", marks=needs_smollm2),
+        ("/", ValueError, "tokenizer '/': pass 'smollm2-135m-instruct' or a local directory with one of "
+                          "tokenizer.json"),
+        (3, TypeError, "tokenizer must be a name or a directory, got int"),
+    ],
+)
+def test_a_tokenizer_that_cannot_serve_the_model_is_refused(tokenizer, error, message):
+    from weft import LLM
+
+    with pytest.raises(error, match=re.escape(message)):
+        LLM("tiny-llama", tokenizer=tokenizer)

@@ -72,21 +72,37 @@ def make_case(
     )
 
 
-def reference(case: PagedCase, scale: float) -> torch.Tensor:
-    """Causal attention in float64, request by request -> [T_total, H_q, D]."""
+def reference(case: PagedCase, scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal attention in float64, request by request -> [T_total, H_q, D]; `window`: each query sees the
+    `window` keys up to itself."""
     H_q, H_kv = case.q.shape[1], case.k_cache.shape[2]
     starts, ctx = case.query_start_loc.tolist(), case.context_lens.tolist()
     out = []
     for b, c in enumerate(ctx):
         q = case.q[starts[b] : starts[b + 1]].double()  # [T, H_q, D]
         blocks = case.block_tables[b].long()
-        k = case.k_cache[blocks].flatten(0, 1)[:c].double().repeat_interleave(H_q // H_kv, 1)  # [c, H_q, D]
-        v = case.v_cache[blocks].flatten(0, 1)[:c].double().repeat_interleave(H_q // H_kv, 1)
+        # [c, H_q, D]; the keys outside a window may be poisoned (NaN), and weigh 0
+        k = case.k_cache[blocks].flatten(0, 1)[:c].double().nan_to_num().repeat_interleave(H_q // H_kv, 1)
+        v = case.v_cache[blocks].flatten(0, 1)[:c].double().nan_to_num().repeat_interleave(H_q // H_kv, 1)
         s = torch.einsum("thd,shd->hts", q, k) * scale
         q_pos = c - q.shape[0] + torch.arange(q.shape[0], device=q.device)
-        s = s.masked_fill(torch.arange(c, device=q.device) > q_pos[:, None], float("-inf"))
+        keys = torch.arange(c, device=q.device)
+        unseen = (keys > q_pos[:, None]) | (keys <= q_pos[:, None] - (window or c + 1))
+        s = s.masked_fill(unseen, float("-inf"))
         out.append(torch.einsum("hts,shd->thd", s.softmax(-1), v))
     return torch.cat(out)
+
+
+def poison_outside(case: PagedCase, window: int) -> None:
+    """NaN into every cached key and value that no new token of its request sees within `window`: a kernel that
+    reads one (instead of skipping it) writes NaN."""
+    P = case.k_cache.shape[1]
+    starts, ctx = case.query_start_loc.tolist(), case.context_lens.tolist()
+    for b, c in enumerate(ctx):
+        unseen = torch.arange(max(c - (starts[b + 1] - starts[b]) - window + 1, 0))
+        blocks = case.block_tables[b].long()[unseen // P]
+        case.k_cache[blocks, unseen % P] = float("nan")
+        case.v_cache[blocks, unseen % P] = float("nan")
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from tests.kernels.paged_case import (
     interpreter_only,
     make_case,
     padded_view,
+    poison_outside,
     recorded_accesses,
     reference,
 )
@@ -65,7 +66,7 @@ def use_tiles(monkeypatch, tiles: Tiles) -> None:
     monkeypatch.setattr(decode, "tiles_for", lambda *args: tiles)
 
 
-def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> None:
+def assert_decodes(case, num_splits: int | None, ref: torch.Tensor, window: int | None = None) -> None:
     """Two launches over one plan, as a step's layers use it, each on NaN-poisoned scratch: a merge
     that read a split's part before it was stored, or counters not ready again, fail here."""
     B, H_q, D = case.q.shape
@@ -77,7 +78,8 @@ def assert_decodes(case, num_splits: int | None, ref: torch.Tensor) -> None:
         splits.o.fill_(float("nan"))
         splits.lse.fill_(float("nan"))
         out = torch.full_like(case.q, float("nan"))
-        decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, D**-0.5, splits, out)
+        decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, D**-0.5, splits, out,
+                         window)
         assert_matches(out, ref)
         assert not splits.arrivals.any(), "arrival counters not reset after the launch"
 
@@ -87,6 +89,16 @@ def test_decode_fp32(device, group, D, P, context_lens, num_splits):
     H_kv, q_lens = 2, [1] * len(context_lens)
     case = make_case(group * H_kv, H_kv, D, P, q_lens, context_lens, torch.float32, device, 0)
     assert_decodes(case, num_splits, reference(case, D**-0.5))
+
+
+# windows within a tile (64 here), across tiles, past every context; splits more and fewer than the window's tiles
+@pytest.mark.parametrize(("window", "num_splits"), [(1, 1), (40, 3), (130, 2), (130, 7), (2000, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu)])
+def test_decode_within_a_sliding_window(device, window, num_splits, dtype):
+    """The query sees the last `window` keys of its context; the ones before are never read."""
+    case = make_case(4, 2, 64, 16, [1] * 4, [1, 300, 64, 129], dtype, device, window)
+    poison_outside(case, window)
+    assert_decodes(case, num_splits, reference(case, 64**-0.5, window), window)
 
 
 @gpu

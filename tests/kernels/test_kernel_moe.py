@@ -41,8 +41,9 @@ def definition(x, gate_up, down, weights, ids) -> torch.Tensor:
 
 
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    got, want = got.double().cpu(), want.cpu()
     scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-3)
-    return bool(((got.double().cpu() - want.cpu()) / scale).abs().max() <= TOL[dtype])
+    return bool(((got - want) / scale).abs().max() <= TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
@@ -76,9 +77,9 @@ def test_pairs_are_grouped_by_expert_in_padded_blocks(device):
     assert (block_expert[:-1] <= block_expert[1:]).all()
 
 
-def test_sparse_moe_is_hfs_block(monkeypatch):
-    """Routing (softmax, top-k, renormalised) and the experts, in PyTorch ops and through the kernels (on the CPU
-    in the interpreter), against HF's block with the same weights."""
+def test_sparse_moe_is_hfs_block(monkeypatch, device):
+    """Routing (softmax, top-k, renormalised) and the experts, in PyTorch ops (on the CPU) and through the kernels
+    (on the CPU in the interpreter), against HF's block with the same weights, in float32."""
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -91,7 +92,8 @@ def test_sparse_moe_is_hfs_block(monkeypatch):
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     ours = SparseMoE(48, MoEConfig(8, 3, 24, True, (0,)))
     ours.load_state_dict(hf.state_dict())  # the same names: gate.weight, experts.gate_up_proj, experts.down_proj
-    x = torch.randn(2, 11, 48, generator=g)
+    x = torch.randn(2, 11, 48, generator=g).to(device)
+    hf, ours = hf.to(device), ours.to(device)
     want = hf(x).view(22, 48)
     assert torch.allclose(ours(x.view(22, 48)), want, rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(fused, "on_kernels", lambda t: True)

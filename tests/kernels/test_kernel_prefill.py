@@ -11,6 +11,7 @@ from tests.kernels.paged_case import (
     interpreter_only,
     make_case,
     padded_view,
+    poison_outside,
     recorded_accesses,
     reference,
 )
@@ -43,13 +44,13 @@ GPU_CASES += [(2, d, 16, torch.bfloat16) for d in (40, 48, 80, 96, 160, 192, 256
 GPU_CASES += [(8, 80, 256, torch.bfloat16), (4, 96, 8, torch.float16), (4, 80, 16, torch.float32)]
 
 
-def run_prefill(case) -> torch.Tensor:
+def run_prefill(case, window: int | None = None) -> torch.Tensor:
     D = case.q.shape[2]
     out = torch.full_like(case.q, float("nan"))
     max_query_len = int(case.query_start_loc.diff().max())
     return prefill_attention(
         case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc, case.context_lens,
-        max_query_len, D**-0.5, out,
+        max_query_len, D**-0.5, out, window=window,
     )
 
 
@@ -69,6 +70,16 @@ def test_prefill_gpu(device, group, D, P, dtype):
 
 
 @interpreter_only
+# windows shorter and longer than a key tile (64 here) and the query tile (128), a window past every context
+@pytest.mark.parametrize("window", [1, 16, 100, 300, 5000])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu)])
+def test_prefill_within_a_sliding_window(device, window, dtype):
+    """Each query sees the window's keys up to itself; the keys no query of its request sees are never read."""
+    case = make_case(4, 2, 64, 16, [1, 150, 40, 7], [90, 150, 400, 7], dtype, device, window)
+    poison_outside(case, window)
+    assert_matches(run_prefill(case, window), reference(case, 64**-0.5, window))
+
+
 @pytest.mark.parametrize("D", [80, 40])
 def test_prefill_touches_only_lanes_below_D(D):
     """Padded lanes are masked in every load and store, the unmasked K/V tiles before the diagonal

@@ -31,7 +31,7 @@ from weft.benchmark.runner import BenchConfig, Driver, make_driver, record, rele
 from weft.benchmark.saving import save_so_far
 from weft.benchmark.workloads import Workload
 from weft.inference.config import DTYPES
-from weft.models.loader import reference_model, resolve_model
+from weft.models.loader import DEFAULT_MODEL, reference_model, resolve_model
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -84,9 +84,14 @@ class Sizes:
     hf_cb_config: dict | None  # ContinuousBatchingConfig fields for hf_generate_batch (None: its defaults)
     e12_prompt_len: int  # the ablation's batch-1 request (its other workload is e8's)
     e12_new_tokens: int
+    e14_structured_model: str  # e14's grammar-constrained requests (with a tokenizer: see test_e14_sampling)
     e13_batch: int  # the profiled decode step's requests
     e13_context: int  # their prompts' tokens
     e13_prefill: int  # the prompt a mixed step prefills beside them
+    e15_moe_model: str  # e15's mixture of experts: its batch sweep (e2's workload), batch-1 ITL and kernels
+    e15_batches: tuple[int, ...]
+    e15_dense_models: tuple[str, ...]  # the families whose batch-1 ITL (e12's request) is compared
+    e15_kernel_tokens: int  # tokens routed through one MoE layer's expert kernels
 
 
 CUDA_SIZES = Sizes(
@@ -137,9 +142,14 @@ CUDA_SIZES = Sizes(
     hf_cb_config=None,
     e12_prompt_len=256,
     e12_new_tokens=128,
+    e14_structured_model="qwen3-0.6b",
     e13_batch=256,
     e13_context=576,
     e13_prefill=512,
+    e15_moe_model="qwen3-30b-a3b",
+    e15_batches=(1, 16, 64, 256),
+    e15_dense_models=("llama-3.1-8b", "qwen3-8b"),
+    e15_kernel_tokens=256,
 )
 CPU_SIZES = Sizes(
     dtype="float32",
@@ -185,9 +195,14 @@ CPU_SIZES = Sizes(
     hf_cb_config=dict(num_blocks=16, max_batch_tokens=256),  # its defaults take the RAM
     e12_prompt_len=16,
     e12_new_tokens=16,
+    e14_structured_model=DEFAULT_MODEL,  # the tiny models' vocabularies are narrower than any tokenizer's
     e13_batch=8,
     e13_context=16,
     e13_prefill=8,
+    e15_moe_model="tiny-qwen3-moe",
+    e15_batches=(1, 4, 16),  # e2's
+    e15_dense_models=("tiny-llama3", "tiny-qwen3"),
+    e15_kernel_tokens=8,
 )
 SIZES = CUDA_SIZES if HAS_CUDA else CPU_SIZES
 
@@ -237,11 +252,16 @@ def sizes() -> Sizes:
 
 @pytest.fixture(scope="session")
 def model_for(device: torch.device) -> Callable[..., PreTrainedModel]:
-    """get(name, dtype, logit_gain=1.0): models are built once per session and shared."""
+    """get(name, dtype, logit_gain=1.0, alone=False): models are built once per session and shared; `alone`
+    drops every other one first (and gives its memory back), for a model too large to sit beside others."""
     cache: dict[tuple[str, str, float], PreTrainedModel] = {}
 
-    def get(name: str, dtype: str, logit_gain: float = 1.0) -> PreTrainedModel:
+    def get(name: str, dtype: str, logit_gain: float = 1.0, alone: bool = False) -> PreTrainedModel:
         key = (name, dtype, logit_gain)
+        if alone and (others := cache.keys() - {key}):
+            for other in others:
+                del cache[other]
+            release(device)
         if key not in cache:
             cache[key] = build_model(name, dtype, device, logit_gain)
         return cache[key]
@@ -276,6 +296,16 @@ def e9_attention(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(params=SIZES.e9_rates, ids=lambda r: f"rate{r:g}")
 def e9_rate(request: pytest.FixtureRequest) -> float:
+    return request.param
+
+
+@pytest.fixture(params=SIZES.e15_batches, ids=lambda b: f"B{b}")
+def e15_batch(request: pytest.FixtureRequest) -> int:
+    return request.param
+
+
+@pytest.fixture(params=(SIZES.e15_moe_model, *SIZES.e15_dense_models))  # the MoE first: it is built already
+def e15_itl_model(request: pytest.FixtureRequest) -> str:
     return request.param
 
 

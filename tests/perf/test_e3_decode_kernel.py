@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.attention.paged import PagedBackend
 from weft.attention.triton import TritonBackend
-from weft.benchmark.environment import copy_bandwidth_gbps, device_name, git_sha
+from weft.benchmark.environment import kernel_environment, launched_seconds
 from weft.config import ModelConfig
 
 HAS_CUDA = torch.cuda.is_available()  # without it, Triton runs in its interpreter (root conftest.py)
@@ -75,19 +74,6 @@ def shapes() -> Shapes:
     return GPU_SHAPES if HAS_CUDA else CPU_SHAPES
 
 
-def launched_seconds(fn: Callable[[], object]) -> float:
-    """Median seconds per call, launched from Python one call at a time (do_bench, L2 flushed
-    before each); on the CPU one call by the host clock."""
-    fn()  # compile / warm up
-    if HAS_CUDA:
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def interleaved_seconds(*fns: Callable[[], object]) -> list[float]:
     """Median of ROUNDS launched_seconds per fn (one on the CPU), the fns taking turns, first to last
     and back, so that a clock or thermal swing during the run, or going first, lands on all of them."""
@@ -104,14 +90,6 @@ def graph_seconds(fns: list[Callable[[], object]]) -> float:
 
     ms = triton.testing.do_bench_cudagraph(lambda: [fn() for fn in fns], rep=20, return_mode="median")
     return ms * 1e-3 / len(fns)
-
-
-def environment(device: torch.device) -> dict:
-    return {
-        "gpu": device_name(device),
-        "git_sha": git_sha(),
-        "copy_gbps": copy_bandwidth_gbps() if HAS_CUDA else None,
-    }
 
 
 @dataclass
@@ -290,7 +268,7 @@ def test_e3_decode(benchmark, device, B, S, P, attention):
     s = shapes()
     nbytes = kv_bytes(B, S, s)
     gbps = nbytes / seconds / 1e9
-    env = environment(device)
+    env = kernel_environment(device)
     benchmark.extra_info.update(
         experiment="e3",
         attention=attention,
@@ -364,6 +342,6 @@ def test_e3_prefill(benchmark, device, B, T, P):
         sdpa_tflops=flops / sdpa_seconds / 1e12,
         rel_err_vs_sdpa=err,
         timer=f"median of {ROUNDS} do_bench medians, in turns with SDPA's" if HAS_CUDA else "host clock, one call",
-        **environment(device),
+        **kernel_environment(device),
     )
     benchmark.pedantic(triton_fn, rounds=1, iterations=1)

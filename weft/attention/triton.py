@@ -4,7 +4,7 @@ Writes are RoPE's kernel's (`cache_slots`) or, in the eager attention between pi
 kernel per layer (slots < 0 skipped). Reads follow the block table inside the kernels, so nothing is
 gathered into a padded copy: a step's decodes (one new token each) run split-KV flash-decoding, its
 other requests a causal flash-attention kernel over the cache; a mixed step launches both, each on its
-own requests.
+own requests. In a model's sliding-window layers both read only the window's keys.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class TritonStep:
 
 class TritonBackend(PagedSlab[TritonStep]):
     name = "triton"
-    windows = False  # its kernels read every key of the context: served up to a sliding window only
     cuda_graphs = True  # `plan` needs only host ints; the kernels read every length from device memory
     max_decodes = 65535  # the decode kernel's grid holds requests on its third axis
 
@@ -66,12 +65,13 @@ class TritonBackend(PagedSlab[TritonStep]):
         # Whole tensors, no slices: each kernel is told which requests are its own, so the
         # pointers (and Triton's specializations on their alignment) stay the same every step.
         table, ctx = meta.block_tables, meta.context_lens
+        window = self.cfg.sliding_window if layer in self.cfg.window_layers else None
         if meta.num_decodes:
-            decode_attention(q, k_cache, v_cache, table, ctx, self.scale, step.splits, out)
+            decode_attention(q, k_cache, v_cache, table, ctx, self.scale, step.splits, out, window)
         if meta.num_decodes < meta.num_requests:
             prefill_attention(
                 q, k_cache, v_cache, table, meta.query_start_loc, ctx, meta.max_query_len, self.scale, out,
-                first_request=meta.num_decodes,
+                first_request=meta.num_decodes, window=window,
             )
         return out
 

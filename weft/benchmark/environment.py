@@ -1,10 +1,12 @@
-"""What every benchmark record says about where and what it measured."""
+"""What every benchmark record says about where and what it measured, and the timer of the kernel experiments."""
 
 from __future__ import annotations
 
 import functools
 import os
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,3 +49,25 @@ def copy_bandwidth_gbps(device: str = "cuda", nbytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def kernel_environment(device: torch.device) -> dict[str, object]:
+    """What a kernel record says about where it was measured: gpu, git_sha, copy_gbps (None off CUDA)."""
+    return {
+        "gpu": device_name(device),
+        "git_sha": git_sha(),
+        "copy_gbps": copy_bandwidth_gbps() if device.type == "cuda" else None,
+    }
+
+
+def launched_seconds(fn: Callable[[], object]) -> float:
+    """Median seconds per call, launched from Python one call at a time (do_bench, L2 flushed
+    before each); on the CPU one call by the host clock."""
+    fn()  # compile / warm up
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start

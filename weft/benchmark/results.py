@@ -30,6 +30,9 @@ EXPERIMENTS = {
     "e11": "shared-prefix workload, prefix cache on and off",
     "e12": "ablation: each optimization off in turn",
     "e13": "single steps profiled: GPU busy and idle, time by kernel class, the floor",
+    "e15": "model families: a mixture of experts' batch sweep, beside HF generate",
+    "e15_itl": "model families: batch-1 ITL over the weights floor per step",
+    "e15_kernel": "model families: the fused MoE kernels' bandwidth, one layer",
 }
 IDENTITY = ("experiment", "gpu", "git_sha")  # what every record must say about itself
 # e9's latency fields (ms, as vLLM's `bench serve` names them) <- the same of weft's serving metrics (s)

@@ -25,6 +25,7 @@ from weft.benchmark.workloads import Workload
 from weft.inference.config import EngineConfig, check_names
 from weft.inference.engine import LLMEngine
 from weft.inference.params import SamplingParams
+from weft.inference.structured import StructuredOutputsParams
 
 ENGINES = ("weft", "hf_generate", "hf_generate_static", "hf_generate_batch")
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -39,6 +40,14 @@ SAMPLINGS: dict[str, dict[str, object]] = {
                     repetition_penalty=1.1, seed=0),
     "n1": dict(temperature=0.8, seed=0),
     "n4": dict(n=4, temperature=0.8, seed=0),  # n1's requests, four completions each
+    # greedy, through a grammar: a JSON object of a few fields whose last, a string without a bound, runs to
+    # max_tokens unless the model closes it (then the grammar is complete and the request stops)
+    "json": dict(structured_outputs=StructuredOutputsParams(json={
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"},
+                       "student": {"type": "boolean"}, "notes": {"type": "string"}},
+        "required": ["name", "age", "student", "notes"],
+    })),
 }
 
 
@@ -271,9 +280,10 @@ def record(
         "traffic_bytes": traffic_bytes,
         "floor_s": floor_s,
         "prefix_cache_hit_rate": served.prefix_cache_hit_rate,
-        # requests that got fewer tokens than asked for (a baseline that failed or stopped early)
+        # requests that got fewer tokens than asked for and did not stop on their own (every run ignores EOS, so
+        # only a grammar, complete, stops one): a baseline that failed or stopped early
         "incomplete_requests": sum(
-            any(len(c.token_ids) < r.max_tokens for c in o.outputs)
+            any(len(c.token_ids) < r.max_tokens and c.finish_reason != "stop" for c in o.outputs)
             for o, r in zip(served.outputs, workload.requests, strict=True)
         ),
     }

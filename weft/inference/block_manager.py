@@ -18,6 +18,12 @@ until it is handed out again, least recently freed first. What holds of each blo
 
 A block is written only by the request that allocated it, at positions it has not computed yet;
 shared blocks are full and computed, so no request ever writes a block another one reads.
+
+With a sliding window of W keys in every layer, a query at position p sees keys p - W + 1 .. p only, so once a
+sequence has computed n tokens, its leading blocks that end before n - W + 1 are never read again (its next
+query is at n or later): they go back to the pool at once, and their table entries become 0, a placeholder that
+the kernels never dereference and the padded backends mask. A step in flight may still read them, but any
+request that takes one writes it in a later step, and the device runs steps in order.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ from weft.utils import cdiv
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False,
+                 window: int | None = None) -> None:
         self.num_blocks = num_blocks  # N
         self.block_size = block_size  # P
         self.prefix_caching = prefix_caching
+        self.window = window  # W of a model whose every layer attends within a sliding window, else None
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # the next handed out first
         self.refs = [0] * num_blocks
         self.cached: dict[int, int] = {}  # block hash -> block
@@ -94,9 +102,20 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Register `seq`'s blocks that its computed tokens have filled since the last call (those whose
-        tokens are all known: a token still in flight holds its block back)."""
-        if not self.prefix_caching:
-            return
+        tokens are all known: a token still in flight holds its block back); with a window, give back the leading
+        blocks it has left behind (registered first: they stay findable until handed out again)."""
+        if self.prefix_caching:
+            self._register(seq)
+        if self.window is not None:
+            behind = (seq.num_computed_tokens - self.window + 1) // self.block_size
+            if self.prefix_caching:
+                behind = min(behind, len(seq.block_hashes))
+            for i in range(seq.num_dropped_blocks, behind):
+                self._drop(seq.block_table[i])
+                seq.block_table[i] = 0
+            seq.num_dropped_blocks = max(seq.num_dropped_blocks, behind)
+
+    def _register(self, seq: Sequence) -> None:
         P = self.block_size
         for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, len(seq.token_ids)) // P):
             tokens = tuple(seq.token_ids[i * P : (i + 1) * P])
@@ -110,9 +129,14 @@ class BlockManager:
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s references; a block no request holds becomes free. Its last blocks are freed first,
         so that a prefix's leading blocks, the likeliest to be shared again, are evicted last."""
-        for block in reversed(seq.block_table):
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                self.free[block] = None
+        for block in reversed(seq.block_table[seq.num_dropped_blocks :]):
+            self._drop(block)
         seq.block_table = []
         seq.block_hashes = []
+        seq.num_dropped_blocks = 0
+
+    def _drop(self, block: int) -> None:
+        """One reference less; a block no request holds becomes free (keeping its hash)."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free[block] = None

@@ -30,6 +30,7 @@ CHUNKED_BUDGET = 8192  # max_num_batched_tokens' default with chunked prefill (v
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | os.PathLike | Any = "smollm2-135m-instruct"  # see weft.models.loader.resolve_model
+    tokenizer: str | os.PathLike | None = None  # the model's own; else the default model's name or a directory
     attention: str = "paged"
     scheduler: str = "continuous"
     block_size: int = 16  # P (the contiguous backend's rows hold max_model_len tokens instead)
@@ -63,6 +64,8 @@ class EngineConfig:
             if value < least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
             set_(self, name, value)
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str | os.PathLike):
+            raise TypeError(f"tokenizer must be a name or a directory, got {type(self.tokenizer).__name__}")
         set_(self, "dtype", _dtype_name(self.dtype))
         set_(self, "device", _device(self.device))
         fraction = as_real("gpu_memory_utilization", self.gpu_memory_utilization)
@@ -114,20 +117,12 @@ class EngineConfig:
 
     def for_model(self, model: ModelConfig) -> EngineConfig:
         """This config with the model's limits filled in: max_model_len (refused above the model's context, as
-        vLLM does, or above its sliding window where the backend does not attend within one) and
+        vLLM does) and
         max_num_batched_tokens (CHUNKED_BUDGET with chunked prefill, else max_model_len: a whole prompt in one
         step); and the backend's checks of the shape."""
         context = model.max_model_len
         if self.max_model_len is not None and self.max_model_len > context:
             raise ValueError(f"max_model_len={self.max_model_len} is above the model's context of {context} tokens")
-        if model.sliding_window is not None and model.sliding_window < context and not self.backend.windows:
-            # up to the window, every query sees all its keys: full attention is the windowed one
-            if self.max_model_len is not None and self.max_model_len > model.sliding_window:
-                raise ValueError(f"max_model_len={self.max_model_len} is above the model's sliding window of "
-                                 f"{model.sliding_window} tokens: the {self.attention} backend does not attend "
-                                 f"within a window, so it serves such a model up to max_model_len="
-                                 f"{model.sliding_window} (contiguous and paged attend within it)")
-            context = model.sliding_window
         self.backend.check_model(model)
         check_tensor_parallel(self.tensor_parallel_size, model)
         max_model_len = self.max_model_len or context

@@ -45,7 +45,7 @@ RequestId = str | int
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        source = resolve_model(config.model)
+        source = resolve_model(config.model, config.tokenizer)
         self.config = config = config.for_model(source.config)
         self.model_name = source.name
         self.model_config = source.config
@@ -55,7 +55,9 @@ class LLMEngine:
         self.runner: ModelRunner | None
         self.runner, self.pool = build_rank(config, source, 0, self.ranks)
         logger.info("%s: %s", source.name, self.pool.describe(config))
-        self.blocks = BlockManager(self.pool.num_blocks, self.pool.block_size, config.enable_prefix_caching)
+        windowed = source.config.window_layers == tuple(range(source.config.L))  # every layer: blocks fall behind
+        self.blocks = BlockManager(self.pool.num_blocks, self.pool.block_size, config.enable_prefix_caching,
+                                   source.config.sliding_window if windowed else None)
         self.scheduler = SCHEDULERS[config.scheduler](
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             self.eos_token_ids,

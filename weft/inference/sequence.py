@@ -40,6 +40,7 @@ class Sequence:
     num_pending: int = 0  # sampled tokens still on their way to the host (overlap: 0 or 1 when a step is planned)
     pending_row: int = 0  # the newest pending token's row among its step's sampled ids
     block_table: list[int] = field(default_factory=list)
+    num_dropped_blocks: int = 0  # its leading blocks given back behind a sliding window (their entries: 0)
     block_hashes: list[int] = field(default_factory=list)  # of its full, computed blocks (prefix caching)
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -157,11 +157,24 @@ def fused_experts(
 ) -> torch.Tensor:
     """`experts_reference` in two Triton kernels: x [T, E], gate_up [N, 2 I_e, E], down [N, E, I_e] (contiguous),
     weights and ids [T, top_k] -> each pair's weighted output [T * top_k, E]."""
-    (T, E), (N, _, I_e), k = x.shape, down.shape, ids.shape[1]
+    return expert_kernels(x, gate_up, down, weights, *kernel_groups(ids, gate_up.shape[0]))
+
+
+def kernel_groups(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`group_pairs` of ids [T, top_k] in the kernels' blocks: 16 pairs for up to 1,024 pairs (decode: few pairs per
+    expert), else 64 (prefill: fewer weight re-reads)."""
+    return group_pairs(ids, num_experts, 16 if ids.numel() <= 1024 else 64)
+
+
+def expert_kernels(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor,
+    block_expert: torch.Tensor,
+) -> torch.Tensor:
+    """`fused_experts`' two kernels over pairs already grouped (`kernel_groups`: pairs [M], block_expert
+    [M / block_m]): x [T, E], gate_up [N, 2 I_e, E], down [N, E, I_e], weights [T, top_k] -> [T * top_k, E]."""
+    (T, E), (N, _, I_e), k = x.shape, down.shape, weights.shape[1]
     assert x.stride(1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
-    P = T * k
-    block_m = 16 if P <= 1024 else 64  # decode: few pairs per expert; prefill: fewer weight re-reads
-    pairs, block_expert = group_pairs(ids, N, block_m)
+    P, block_m = T * k, pairs.numel() // block_expert.numel()  # group_pairs' blocks are block_m pairs each
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 exactly; 16-bit inputs ignore it
     h = torch.empty(P, I_e, dtype=x.dtype, device=x.device)
     grid = (block_expert.numel(), triton.cdiv(I_e, 64))

@@ -121,16 +121,19 @@ def sample(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
     greedy = logits.argmax(dim=-1)
     if t is None:
         return greedy
-    logits = logits.float()
     B, V = logits.shape
-    scaled = logits / t.temperature.clamp_min(1e-6)[:, None]
+    temperature = t.temperature.clamp_min(1e-6)[:, None]
     if not t.filtered:  # every token kept: the Gumbel-max draw over all of them, by token id, needs no ranking
+        scaled = logits / temperature  # float32: the temperature's dtype, in one pass
         ids = torch.arange(V, device=logits.device).expand(B, V)
         u = torch.where(t.seeded[:, None], hashed_uniform(t.seed, t.position, ids), torch.rand_like(scaled))
         return torch.where(t.temperature == 0, greedy, (scaled - torch.log(-torch.log(u))).argmax(dim=-1))
-    # [B, K] and the token id at each rank; no row keeps a token past the largest top_k, so only K are ranked
+    # [B, K] and the token id at each rank; no row keeps a token past the largest top_k, so only K are ranked.
+    # A positive temperature keeps the order, so the logits are ranked as they are (no float32 copy of [B, V])
+    # and only the K kept are scaled: the same values as scaling all first.
     K = min(t.max_top_k, V)
-    ordered, order = scaled.topk(K, dim=-1) if K < V else scaled.sort(dim=-1, descending=True)
+    top, order = logits.topk(K, dim=-1) if K < V else logits.sort(dim=-1, descending=True)
+    ordered = top / temperature  # float32
     rank = torch.arange(K, device=logits.device)
     drop = rank[None, :] >= t.top_k[:, None]
     # min-p keeps the tokens at least min_p times as likely as the likeliest (ordered[:, 0]), after temperature;

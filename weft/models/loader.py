@@ -16,7 +16,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from weft.models.weights import checkpoint_layout, load_weights, random_weights
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RANDOM_SEED = 0  # of the NAMED_CONFIGS models' weights
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a directory with one has a tokenizer
 
 _TINY = dict(
     hidden_size=64,
@@ -155,12 +156,36 @@ class ModelSource:
         load_weights(model, self.config, tensors, model.tp)
 
 
-def resolve_model(model: str | os.PathLike | Any) -> ModelSource:
-    """`model`: DEFAULT_MODEL, a NAMED_CONFIGS key, a local HF checkpoint directory, or a transformers model.
+def resolve_model(model: str | os.PathLike | Any, tokenizer: str | os.PathLike | None = None) -> ModelSource:
+    """`model`: DEFAULT_MODEL, a NAMED_CONFIGS key, a local HF checkpoint directory, or a transformers model;
+    `tokenizer` (vLLM's `tokenizer`): DEFAULT_MODEL or a local directory whose tokenizer replaces the model's own.
 
     Reads configs and tokenizers only; a name weft cannot serve is a ValueError (TypeError for a type
     that names no model at all).
     """
+    source = _resolve(model)
+    if tokenizer is None:
+        return source
+    return replace(source, tokenizer=load_tokenizer(tokenizer, source.config.V))
+
+
+def load_tokenizer(name: str | os.PathLike, V: int) -> Any:
+    """The transformers tokenizer of DEFAULT_MODEL or of a local directory, for a model of vocabulary V (its
+    ids must be the model's: a ValueError if the tokenizer has more than V)."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_checkpoint() if name == DEFAULT_MODEL else Path(name)
+    if not any((path / f).exists() for f in TOKENIZER_FILES):
+        raise ValueError(f"tokenizer {str(name)!r}: pass {DEFAULT_MODEL!r} or a local directory with one of "
+                         f"{', '.join(TOKENIZER_FILES)}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if len(tokenizer) > V:
+        raise ValueError(f"tokenizer {str(name)!r} has {len(tokenizer)} tokens, more than the model's vocabulary "
+                         f"of {V}: its ids would index past the logits")
+    return tokenizer
+
+
+def _resolve(model: str | os.PathLike | Any) -> ModelSource:
     if isinstance(model, nn.Module):
         transformers = sys.modules.get("transformers")  # whoever built a transformers model imported it
         if transformers is None or not isinstance(model, transformers.PreTrainedModel):
@@ -192,7 +217,8 @@ def reference_model(source: ModelSource, dtype: torch.dtype, device: torch.devic
     """The transformers model with the very weights weft loads from `source`: HF's reference.
 
     Built only where a reference is needed (the gate, the HF baselines): a checkpoint loads through
-    transformers' own loader, random shapes get `source`'s seeded weights.
+    transformers' own loader, random shapes get `source`'s seeded weights, streamed: each tensor is drawn, copied
+    (cast) into HF's parameter and dropped, so the peak is the model and one float32 tensor.
     """
     from transformers import AutoModelForCausalLM
 
@@ -203,11 +229,16 @@ def reference_model(source: ModelSource, dtype: torch.dtype, device: torch.devic
     with torch.device(device):
         hf_model = AutoModelForCausalLM.from_config(source.hf_config, dtype=dtype).eval()
     layout = checkpoint_layout(build_model(source.config, dtype, torch.device("meta")), source.config)
-    weights = dict(random_weights(layout, source.hf_config.initializer_range, RANDOM_SEED, device))
-    missing, unexpected = hf_model.load_state_dict(weights, strict=False)
+    params = hf_model.state_dict()  # HF's tensors themselves (detached), not copies
     tied = {"lm_head.weight"} if source.config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(f"weft's layout and HF's disagree: missing {missing}, unexpected {unexpected}")
+    missing, unexpected = sorted(params.keys() - layout.keys() - tied), sorted(layout.keys() - params.keys())
+    misshapen = [name for name, slot in layout.items() if name in params and params[name].shape != slot.shape]
+    if missing or unexpected or misshapen:
+        raise RuntimeError(f"weft's layout and HF's disagree: missing {missing}, unexpected {unexpected}, "
+                           f"misshapen {misshapen}")
+    with torch.no_grad():
+        for name, tensor in random_weights(layout, source.hf_config.initializer_range, RANDOM_SEED, device):
+            params[name].copy_(tensor)
     return hf_model
 
 
@@ -220,7 +251,7 @@ def _checkpoint(path: Path, name: str) -> ModelSource:
     hf_config = AutoConfig.from_pretrained(path)
     config = ModelConfig.from_hf(hf_config)  # refuses other architectures before anything is loaded
     tokenizer = None
-    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if any((path / f).exists() for f in TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)

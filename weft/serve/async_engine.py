@@ -74,7 +74,7 @@ class AsyncEngine:
         self.info = first
         # the server's own copy of the tokenizer (for /tokenize, /detokenize), as vLLM's API server holds one: the
         # engine process is not asked, so tokenizing waits on no step and takes no time from one
-        source = resolve_model(config.model)
+        source = resolve_model(config.model, config.tokenizer)
         self.tokenizer, self.vocab_size = source.tokenizer, source.config.V
         self.snapshot = EngineSnapshot(0, 0, 0, first.num_blocks, EngineStats())  # as of the engine's last message
         self.streams: dict[str, asyncio.Queue] = {}  # the event loop's alone

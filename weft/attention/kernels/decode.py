@@ -43,7 +43,7 @@ def _split_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_xb, stride_xh, stride_xd,
     GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_TILE: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
 ):
     # Splits vary fastest in the grid, so that the programs dispatched last (which the memory serves
     # last) are all of the last few (request, KV head) pairs rather than one split of every pair: a
@@ -63,6 +63,11 @@ def _split_kernel(
     table = table_ptr + b * stride_table
     offs = token_offsets(table, first, table_tokens, stride_kn, stride_kp, P, BLOCK_N)
     context_len = tl.load(context_lens_ptr + b)
+    lo = 0  # the first key the query sees
+    if WINDOW:  # its last WINDOW: the splits deal the tiles from the one that holds the first of them
+        lo = tl.maximum(context_len - WINDOW, 0)
+        first += lo // BLOCK_N * BLOCK_N
+        offs = token_offsets(table, first, table_tokens, stride_kn, stride_kp, P, BLOCK_N)
 
     rows = tl.arange(0, GROUP_ROWS)
     row_ok = rows < GROUP
@@ -77,7 +82,8 @@ def _split_kernel(
     head_k = k_ptr + h_kv * stride_kh
     head_v = v_ptr + h_kv * stride_kh
     for start in range(first, context_len, step):
-        ok = start + tl.arange(0, BLOCK_N) < context_len
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = (pos < context_len) & (pos >= lo)
         kv_ok = lanes(ok, D, D_PAD)
         k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
         v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
@@ -257,15 +263,16 @@ def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     return max(range(least, most + 1), key=lambda n: (tiles / (n * -(-tiles // n)), n))
 
 
-def _constexprs(H_q: int, H_kv: int, D: int, P: int, tiles: Tiles) -> dict[str, int]:
-    """The kernel's compile-time parameters for one shape (the same whatever the split count)."""
+def _constexprs(H_q: int, H_kv: int, D: int, P: int, tiles: Tiles, window: int = 0) -> dict[str, int]:
+    """The kernel's compile-time parameters for one shape (the same whatever the split count); `window`: the
+    sliding window's keys (0: none)."""
     group = H_q // H_kv
     group_p2 = triton.next_power_of_2(group)
     D_PAD = padded_head_dim(D)
     return dict(
         GROUP=group, GROUP_ROWS=max(MIN_DOT, group_p2), GROUP_P2=group_p2,
         MERGE_TILE=max(1, MERGE_ELEMENTS // (group_p2 * D_PAD)), D=D, D_PAD=D_PAD, P=P, BLOCK_N=tiles.block_n,
-        num_warps=NUM_WARPS, num_stages=tiles.num_stages,
+        WINDOW=window, num_warps=NUM_WARPS, num_stages=tiles.num_stages,
     )
 
 
@@ -311,14 +318,15 @@ def resident_programs(
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float, splits: DecodeSplits, out: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, splits: DecodeSplits, out: torch.Tensor, window: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [T_total, H_q, D] over k_cache/v_cache [N, P, H_kv, D] -> out [T_total, H_q, D].
 
     Computes the first B requests, B being the number `splits` was planned for: request b's
     one new token is q row b, and its tokens 0 .. context_lens[b]-1 (int32 [>= B]) sit in
     blocks block_tables[b] (int32 [>= B, max_blocks]). Rows from B on are left alone (a mixed
-    step's prefills); inputs are trusted (the backend's `check` validates them).
+    step's prefills); `window`: the query sees only the last `window` of them (a sliding window). Inputs are
+    trusted (the backend's `check` validates them).
     """
     B, H_kv = splits.arrivals.shape
     _, H_q, D = q.shape
@@ -328,6 +336,6 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, splits.o, splits.lse, splits.arrivals, out,
         scale * LOG2E, block_tables.shape[1] * P,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *splits.o.stride(), *splits.lse.stride(),
-        *out.stride(), **_constexprs(H_q, H_kv, D, P, splits.tiles),
+        *out.stride(), **_constexprs(H_q, H_kv, D, P, splits.tiles, window or 0),
     )
     return out

@@ -3,9 +3,10 @@
 One program per (tile of BLOCK_M new tokens of request b, query head), for requests
 first_request .. B-1 (a mixed step's decodes come first and go to the decode kernel).
 Request b's T_b new tokens are the last ones of its context, so its query row i sits at
-position context_lens[b] - T_b + i and sees cache positions 0 .. that position. Tiles of
-keys that every row of the query tile sees skip the causal mask; only the few on the
-diagonal pay it.
+position context_lens[b] - T_b + i and sees cache positions 0 .. that position (within a
+sliding window of W keys: the W up to it). Tiles of keys that every row of the query tile
+sees skip the causal mask; only the few on the diagonal pay it (with a window, every tile
+pays it, and tiles before the tile's first row's window are not read).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _prefill_kernel(
     stride_table,
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
 ):
     # Longest-running tiles (the last rows of a request) first, so short ones fill the tail.
     m_tile = num_m_tiles - 1 - tl.program_id(0)
@@ -50,16 +51,23 @@ def _prefill_kernel(
         q_rows = (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd
         q = tl.load(q_ptr + q_rows, mask=lanes(row_ok, D, D_PAD), other=0.0)
 
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        # finite, not -inf: with a window, a row may see no key of a tile before it sees one, and exp2(m - m_new)
+        # must be 0 there, not NaN
+        m = tl.full([BLOCK_M], -1e30, tl.float32)
         row_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         table = table_ptr + b * stride_table
         head_k = k_ptr + (h // GROUP) * stride_kh
         head_v = v_ptr + (h // GROUP) * stride_kh
         first = context_len - q_len + m_tile * BLOCK_M  # position of the tile's first row
-        full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys before this: seen by every row
         kv_end = tl.minimum(first + BLOCK_M, context_len)  # keys from this on: seen by no row
-        for start in range(0, full_end, BLOCK_N):
+        if WINDOW:  # keys before the first row's window: seen by no row; every tile masked
+            full_start = tl.maximum(first - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+            full_end = full_start
+        else:
+            full_start = 0
+            full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys before this: seen by every row
+        for start in range(full_start, full_end, BLOCK_N):
             offs = token_offsets(table, start, full_end, stride_kn, stride_kp, P, BLOCK_N)
             if D_PAD == D:
                 k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd)
@@ -73,13 +81,17 @@ def _prefill_kernel(
             offs = token_offsets(table, start, kv_end, stride_kn, stride_kp, P, BLOCK_N)
             pos = start + tl.arange(0, BLOCK_N)
             ok = pos < kv_end
+            if WINDOW:  # keys no row of the tile sees are not read (they may be another request's by now)
+                ok = ok & (pos > first - WINDOW)
             kv_ok = lanes(ok, D, D_PAD)
             k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
             v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
             visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            if WINDOW:
+                visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
             m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, visible)
 
-        # Every row sees position 0, so row_sum > 0 on the rows stored.
+        # Every row sees its own position, so row_sum > 0 on the rows stored.
         o = acc / row_sum[:, None]
         out_rows = (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :] * stride_od
         tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=lanes(row_ok, D, D_PAD))
@@ -106,13 +118,15 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor,
     first_request: int = 0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T_total, H_q, D] over k_cache/v_cache [N, P, H_kv, D] -> out [T_total, H_q, D].
 
     Request b's new tokens are q rows query_start_loc[b] .. query_start_loc[b+1]-1 (int32
     [B+1]); its context_lens[b] (int32 [B]) tokens, these included, sit in blocks
     block_tables[b] (int32 [B, max_blocks]). Only requests first_request .. B-1 are computed
-    (their rows of out); inputs are trusted (the backend validates them).
+    (their rows of out); `window`: each query sees only the `window` keys up to itself (a sliding window).
+    Inputs are trusted (the backend validates them).
     """
     _, H_q, D = q.shape
     _, P, H_kv, _ = k_cache.shape
@@ -124,7 +138,7 @@ def prefill_attention(
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
         scale * LOG2E, first_request, num_m_tiles,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
-        GROUP=H_q // H_kv, D=D, D_PAD=D_PAD, P=P, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        GROUP=H_q // H_kv, D=D, D_PAD=D_PAD, P=P, BLOCK_M=BLOCK_M, BLOCK_N=block_n, WINDOW=window or 0,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out

@@ -1,0 +1,107 @@
+"""e15: model families (issue 35's targets), random weights. Parts, each selectable with -k:
+
+- moe_sweep: the mixture of experts (the Qwen3-30B-A3B shape) on e2's workload at each of e15_batches, weft
+  (continuous x the configured backend) beside HF `generate` (eager), in the same run.
+- batch1_itl: the MoE and the dense families (Llama-3.1-8B, Qwen3-8B shapes) on e12's batch-1 request, weft only,
+  each with its weights floor per step: the bytes a decode step reads (of the MoE, the experts its token is routed
+  to), at the copy bandwidth measured in the same run.
+- moe_kernels: one MoE layer's expert kernels (gate_up, then down) over e15_kernel_tokens random tokens routed by the
+  layer's router, against the bytes they must move, as a fraction of the copy bandwidth. Without a GPU they run once
+  at toy sizes in Triton's interpreter, timed by the host clock, only so that the code cannot rot.
+
+The models are large (the MoE is 61 GB in bf16, and weft copies it into its own): each test takes its model `alone`,
+so no two sit in memory at once; the MoE's tests come first and share one build.
+"""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from weft.benchmark import workloads
+from weft.benchmark.environment import kernel_environment, launched_seconds
+from weft.benchmark.floor import floor_s, weight_bytes
+from weft.benchmark.runner import BenchConfig
+from weft.inference.config import DTYPES
+from weft.layers.moe import SparseMoE, expert_kernels, experts_reference, fused_experts, kernel_groups
+from weft.models.loader import resolve_model
+
+pytestmark = pytest.mark.perf
+
+CHECKED_TOKENS = 8  # the kernels' first tokens checked against the PyTorch reference (which gathers weights per pair)
+
+
+def step_weights(hf: PreTrainedModel, batch: int, device: torch.device) -> dict[str, object]:
+    """A decode step of `batch` requests: the weight bytes it reads and their time at the copy bandwidth (None off
+    CUDA), and the model's experts (0: dense)."""
+    nbytes = weight_bytes(hf, batch)
+    return dict(weights_bytes=nbytes, weights_floor_s=floor_s(nbytes, device),
+                num_experts=getattr(hf.config, "num_experts", 0))
+
+
+@pytest.mark.parametrize("engine", ["weft", "hf_generate"])
+def test_e15_moe_sweep(run_benchmark, sizes, model_for, device, e15_batch, engine):
+    hf = model_for(sizes.e15_moe_model, sizes.dtype, alone=True)
+    workload = workloads.fixed(e15_batch, sizes.e2_prompt_len, sizes.e2_new_tokens, hf.config.vocab_size)
+    config = BenchConfig(options=dict(attention=sizes.attention)) if engine == "weft" else BenchConfig(engine=engine)
+    run_benchmark("e15", config, workload, model=sizes.e15_moe_model, S=sizes.e2_prompt_len, B=e15_batch,
+                  **step_weights(hf, e15_batch, device))
+
+
+def test_e15_batch1_itl(run_benchmark, sizes, model_for, device, e15_itl_model):
+    hf = model_for(e15_itl_model, sizes.dtype, alone=True)
+    workload = workloads.fixed(1, sizes.e12_prompt_len, sizes.e12_new_tokens, hf.config.vocab_size)
+    config = BenchConfig(options=dict(attention=sizes.attention))
+    run_benchmark("e15_itl", config, workload, model=e15_itl_model, S=sizes.e12_prompt_len, B=1,
+                  **step_weights(hf, 1, device))
+
+
+def test_e15_moe_kernels(benchmark, sizes, device):
+    """The gate_up and down kernels of one layer of e15_moe_model over T routed tokens (grouped by expert
+    beforehand); beside them, the layer's whole expert pass with the grouping (`fused_experts`)."""
+    cfg, dtype, T = resolve_model(sizes.e15_moe_model).config, DTYPES[sizes.dtype], sizes.e15_kernel_tokens
+    g = torch.Generator(device).manual_seed(0)
+    with torch.device(device):
+        layer = SparseMoE(cfg.E, cfg.moe).to(dtype).requires_grad_(False)
+        for p in layer.parameters():
+            nn.init.normal_(p, std=p.shape[-1] ** -0.5, generator=g)  # each output of unit scale
+        x = torch.randn(T, cfg.E, generator=g, dtype=dtype)
+    weights, ids = layer.route(x)
+    gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
+    kernels = functools.partial(expert_kernels, x, gate_up, down, weights, *kernel_groups(ids, cfg.moe.num_experts))
+    out = kernels()  # [T * top_k, E]
+    n = min(T, CHECKED_TOKENS)
+    ref = experts_reference(x[:n], gate_up, down, weights[:n], ids[:n])
+    err = ((out[: n * cfg.moe.top_k].double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < 2e-2, f"the expert kernels disagree with the PyTorch reference: relative error {err:.3g}"
+
+    seconds = launched_seconds(kernels)
+    with_grouping = launched_seconds(functools.partial(fused_experts, x, gate_up, down, weights, ids))
+    touched = ids.unique().numel()
+    # what must move: each touched expert's gate_up and down, the tokens in, each pair's output out (the
+    # intermediate [T * top_k, I_e] written by one kernel and read by the other is the design's, not counted)
+    nbytes = (touched * (gate_up[0].numel() + down[0].numel()) + x.numel() + out.numel()) * dtype.itemsize
+    gbps = nbytes / seconds / 1e9
+    env = kernel_environment(device)
+    benchmark.extra_info.update(
+        experiment="e15_kernel",
+        model=sizes.e15_moe_model,
+        B=T,
+        E=cfg.E,
+        I_e=cfg.moe.intermediate,
+        num_experts=cfg.moe.num_experts,
+        top_k=cfg.moe.top_k,
+        experts_touched=touched,
+        dtype=sizes.dtype,
+        time_s=seconds,
+        with_grouping_s=with_grouping,
+        bytes=nbytes,
+        gbps=gbps,
+        pct_of_copy=100 * gbps / env["copy_gbps"] if env["copy_gbps"] else None,
+        timer="do_bench median, L2 flushed" if device.type == "cuda" else "host clock, one call",
+        rel_err_vs_reference=err,
+        **env,
+    )
+    benchmark.pedantic(kernels, rounds=1, iterations=1)
