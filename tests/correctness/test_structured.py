@@ -201,12 +201,18 @@ def test_ids_past_the_tokenizer_are_never_allowed(smollm2):
 
 @needs_smollm2
 def test_a_model_serves_with_the_tokenizer_it_is_given():
-    """`tokenizer` (vLLM's) replaces the model's: SmolLM2's shape with random weights, which has no tokenizer of its
-    own, decodes text and follows a grammar through SmolLM2's."""
+    """`tokenizer` (vLLM's) replaces the model's: a random model of SmolLM2's vocabulary, with neither a tokenizer
+    nor EOS ids of its own, decodes text and follows a grammar (which ends at the tokenizer's EOS) through
+    SmolLM2's."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
     from weft import LLM, SamplingParams
 
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None)
+    model = AutoModelForCausalLM.from_config(config).eval()
     spec = StructuredOutputsParams(choice=["yes", "no"])
-    with LLM("smollm2-135m", tokenizer=DEFAULT_MODEL, max_model_len=64, num_blocks=16) as llm:
+    with LLM(model, tokenizer=DEFAULT_MODEL, max_model_len=64, num_blocks=16) as llm:
         out = llm.generate(["Is the sky blue?"], SamplingParams(max_tokens=8, structured_outputs=spec))[0].outputs[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
 

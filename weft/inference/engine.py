@@ -179,7 +179,8 @@ class LLMEngine:
                 raise ParamValueError(f"{label}: {name} needs a tokenizer, and this model has none", name)
         if params.structured_outputs is not None:
             if self.grammars is None:
-                self.grammars = GrammarCompiler(self.tokenizer, V, self.eos_token_ids)
+                # a model without EOS ids of its own (a random shape given a tokenizer) ends grammars at the tokenizer's
+                self.grammars = GrammarCompiler(self.tokenizer, V, self.eos_token_ids or None)
             self.grammars.compile(params.structured_outputs)
 
     def _bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
