@@ -109,6 +109,34 @@ def test_greedy_penalties_match_a_float64_reference_over_hf(tiny, tiny_overlappe
     assert [o.outputs[0].token_ids for o in plain] != [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.gpu
+def test_a_step_with_every_sampling_rule_is_queued_without_waiting_for_the_device(monkeypatch):
+    """Each step's rules and settings reach the device as non-blocking copies: a copy that waited (a blocking one,
+    or from pageable memory) would hold the host until the device finished the step before, undoing the overlap.
+    CUDA's sync debug mode makes any such wait an error while the runner queues a step."""
+    monkeypatch.setattr("weft.attention.base.CHECK_STEPS", False)  # its bounds checks sync, by design
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=3,
+                            presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=4,
+                            logit_bias={5: 2.0}, allowed_token_ids=list(range(100)), ignore_eos=True)
+    prompts = [list(range(1, 9)), list(range(20, 31))]
+    llm = LLM("tiny-llama", attention="triton", num_blocks=64, device="cuda")
+    want = llm.generate(prompts, params, use_tqdm=False)  # compiled, and warm
+    runner = llm.llm_engine.runner
+    launch = runner.launch
+
+    def strict(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(runner, "launch", strict)
+    with llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]  # seeded: the same
+
+
 def test_allowed_tokens_bias_and_min_tokens(tiny):
     prompt = [5, 6, 7, 8]
     free = tiny.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),

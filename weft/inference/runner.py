@@ -23,7 +23,7 @@ from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.distributed import SINGLE, TensorParallel
 from weft.inference.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from weft.inference.logprobs import Entries, as_dict, logprob_entries
-from weft.inference.sampling import SamplingState
+from weft.inference.sampling import SamplingState, device_tensor
 from weft.inference.scheduler import ScheduledBatch, StepOutput
 from weft.inference.sequence import Sequence
 from weft.layers.sampler import adjust, sample
@@ -258,7 +258,7 @@ class ModelRunner:
             return Launched(x.sampling, tokens, host, copied, [None] * n, [])
         entries = logprob_entries(
             torch.cat([logits[asking], logits[n:]]).float(),
-            torch.cat([tokens[asking], self._tensor(x.prompt_targets, torch.int64)]),
+            torch.cat([tokens[asking], device_tensor(x.prompt_targets, torch.int64, self.device)]),
             [x.sampling[i].params.logprobs for i in asking] + [s.params.prompt_logprobs for s in x.prompt_owners],
         )
         per_sampled: list[Entries | None] = [None] * n
@@ -283,6 +283,3 @@ class ModelRunner:
     def stop_ranks(self) -> None:
         """Rank 0: tell the other ranks there are no more steps."""
         dist.broadcast(torch.zeros(len(fields(StepLayout)), dtype=torch.int64, device=self.device), 0)
-
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -31,19 +31,18 @@ class SamplingState:
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):
             return None
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                               [p.min_p for p in params]], dtype=torch.float32)
+        floats = [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]]
         seeds = [p.seed if p.seed is not None else 0 for p in params]
-        ints = torch.tensor([
+        ints = [
             [p.top_k if p.top_k > 0 else self.V for p in params],
             [p.seed is not None for p in params],
             [seed & MASK32 for seed in seeds],
             [(seed >> 32) & MASK32 for seed in seeds],
             [s.num_tokens for s in seqs],
-        ], dtype=torch.int64)  # fmt: skip
-        max_top_k = int(ints[0].max())  # on the host, before the copy
+        ]  # fmt: skip
+        max_top_k = max(ints[0])
         filtered = max_top_k < self.V or any(p.top_p < 1 or p.min_p > 0 for p in params)
-        floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
+        floats, ints = device_tensor(floats, torch.float32, self.device), device_tensor(ints, torch.int64, self.device)
         return SamplingTensors(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], top_k=ints[0], seeded=ints[1].bool(),
             seed=ints[2:4].T, position=ints[4], max_top_k=max_top_k, filtered=filtered,
@@ -91,13 +90,13 @@ class SamplingState:
             allowed[grammar] &= grammar_masks([s for _, s in grammar_rows], self.V, self.device)
         count_rows = self._rows([s for _, s in penalized])
         pen = [s.params for _, s in penalized]
-        floats = torch.tensor([[p.presence_penalty for p in pen], [p.frequency_penalty for p in pen],
-                               [p.repetition_penalty for p in pen]], dtype=torch.float32).to(self.device)
+        floats = device_tensor([[p.presence_penalty for p in pen], [p.frequency_penalty for p in pen],
+                                [p.repetition_penalty for p in pen]], torch.float32, self.device)
         none = torch.zeros(0, self.V, dtype=torch.int32, device=self.device)
         return LogitRules(
             allowed_rows=self._ints(allowed_rows), allowed=allowed,
             bias_rows=self._ints(bias_rows), bias_tokens=self._ints(bias_tokens),
-            bias=torch.tensor(bias, dtype=torch.float32).to(self.device),
+            bias=device_tensor(bias, torch.float32, self.device),
             penalty_rows=self._ints([i for i, _ in penalized]), count_rows=count_rows,
             counts=self.counts if pen else none, in_prompt=self.in_prompt if pen else none.bool(),
             presence=floats[0], frequency=floats[1], repetition=floats[2],
@@ -141,7 +140,14 @@ class SamplingState:
         raise RuntimeError("more requests with a penalty than rows of counts: this is a weft bug, please report it")
 
     def _ints(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        return device_tensor(values, torch.int64, self.device)
+
+
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` (a list, or a list of lists) as a tensor on `device`, copied without the host waiting for the
+    device: from pinned memory on CUDA (a blocking copy, or one from pageable memory, may wait for the step the
+    device is running, which undoes the overlap)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 def banned_tokens(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
@@ -170,4 +176,5 @@ def grammar_masks(seqs: list[Sequence], V: int, device: torch.device) -> torch.T
     bitmask = new_bitmask(len(seqs), V)  # [S, ceil(V / 32)] int32
     for row, seq in enumerate(seqs):
         seq.matcher.fill(bitmask, row)
-    return allowed_tokens(bitmask.to(device, non_blocking=True), V)
+    pinned = bitmask.pin_memory() if device.type == "cuda" else bitmask  # a pageable copy may wait on the device
+    return allowed_tokens(pinned.to(device, non_blocking=True), V)
