@@ -58,8 +58,9 @@ def test_fused_experts_match_the_definition(device, dtype, T, N, k, E, I_e):
     assert close(experts_reference(*args), want, dtype)
 
 
-def test_pairs_are_grouped_by_expert_in_padded_blocks(device):
-    T, N, k, M = 37, 8, 3, 16
+# pairs within one of the grouping kernel's tiles and across many; experts fewer than a power of two, and 128
+@pytest.mark.parametrize(("T", "N", "k", "M"), [(37, 8, 3, 16), (300, 128, 8, 16), (70, 60, 4, 64)])
+def test_pairs_are_grouped_by_expert_in_padded_blocks(device, T, N, k, M):
     *_, ids = routed(T, N, k, 16, 16, torch.float32, device)
     ids[:, 0] = 2  # a crowded expert, more than one block of pairs
     pairs, block_expert = group_pairs(ids, N, M)
@@ -74,6 +75,9 @@ def test_pairs_are_grouped_by_expert_in_padded_blocks(device):
             assert (block == P).all()  # past the last group
         else:
             assert (flat[block[block < P]] == e).all() and (block < P).any()
+    for e in range(N):  # each group in pair order
+        group = pairs[(flat[pairs.clamp_max(P - 1)] == e) & (pairs < P)]
+        assert (group[1:] > group[:-1]).all() and group.numel() == (flat == e).sum()
     assert (block_expert[:-1] <= block_expert[1:]).all()
 
 

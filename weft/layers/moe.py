@@ -73,24 +73,55 @@ def experts_reference(
     return torch.bmm(h[:, None, :], down[flat].transpose(1, 2))[:, 0] * weights.reshape(-1, 1)
 
 
+GROUP_TILE = 128  # pairs the grouping kernel places at a time
+
+
+@triton.jit
+def _group_kernel(
+    ids_ptr, pairs_ptr, block_expert_ptr, P, NUM_EXPERTS, NUM_BLOCKS,
+    BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, TILE: tl.constexpr,
+):
+    """One program: count each expert's pairs, lay out its padded group, place each pair at its group's start plus
+    the pairs of its expert before it (so each group keeps pair order), then name each block's expert."""
+    experts = tl.arange(0, EXPERTS_P2)
+    counts = tl.zeros([EXPERTS_P2], tl.int32)
+    for first in range(0, P, TILE):
+        p = first + tl.arange(0, TILE)
+        e = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    placed = ends - padded  # each group's next free slot
+    for first in range(0, P, TILE):
+        p = first + tl.arange(0, TILE)
+        e = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        mine = (e[:, None] == experts[None, :]).to(tl.int32)  # [TILE, EXPERTS_P2]
+        before = tl.cumsum(mine, 0) - mine  # the tile's earlier pairs of the same expert
+        slot = tl.sum(mine * (placed[None, :] + before), 1)
+        tl.store(pairs_ptr + slot, p.to(tl.int64), mask=p < P)
+        placed += tl.sum(mine, 0)
+    # block b's expert: the groups that end at or before its first slot (NUM_EXPERTS past the last group)
+    real = experts < NUM_EXPERTS
+    for first in range(0, NUM_BLOCKS, TILE):
+        b = first + tl.arange(0, TILE)
+        ended = (ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]
+        tl.store(block_expert_ptr + b, tl.sum(ended.to(tl.int64), 1), mask=b < NUM_BLOCKS)
+
+
 def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, top_k] -> (pairs [M] int64: the (token, expert) pairs p = t * top_k + j grouped by expert, each
-    expert's group padded to a multiple of block_m with P = T * top_k (a pair that writes nowhere); each block's
-    expert [M / block_m] int64, num_experts for blocks past the last group). M = (cdiv(P, block_m) + num_experts)
-    * block_m bounds the padded groups whatever the routing, so the sizes are fixed by T alone."""
+    expert's in pair order, its group padded to a multiple of block_m with P = T * top_k (a pair that writes
+    nowhere); each block's expert [M / block_m] int64, num_experts for blocks past the last group). M = (cdiv(P,
+    block_m) + num_experts) * block_m bounds the padded groups whatever the routing, so the sizes are fixed by T
+    alone. Two launches (the fill and one program that does the rest), no host sync: CUDA graphs hold it."""
     flat = ids.flatten()
     P = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = flat.argsort(stable=True)  # pairs by expert, each expert's in pair order
-    expert = flat[order]
-    rank = torch.arange(P, device=ids.device) - (counts.cumsum(0) - counts)[expert]  # within its expert's group
     blocks = triton.cdiv(P, block_m) + num_experts
     pairs = torch.full((blocks * block_m,), P, dtype=torch.int64, device=ids.device)
-    pairs[(ends - padded)[expert] + rank] = order
-    starts = torch.arange(blocks, device=ids.device) * block_m
-    return pairs, torch.searchsorted(ends, starts, right=True)
+    block_expert = torch.empty(blocks, dtype=torch.int64, device=ids.device)
+    _group_kernel[(1,)](flat, pairs, block_expert, P, num_experts, blocks, BLOCK_M=block_m,
+                        EXPERTS_P2=triton.next_power_of_2(num_experts), TILE=GROUP_TILE, num_warps=8)
+    return pairs, block_expert
 
 
 @triton.jit
