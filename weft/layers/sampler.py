@@ -20,6 +20,7 @@ from weft.layers.fused import on_kernels
 
 MASK32 = 0xFFFFFFFF
 HASH_MUL = 0x45D9F3B  # < 2**31: a 32-bit value times it never overflows int64
+_MASK32, _HASH_MUL = tl.constexpr(MASK32), tl.constexpr(HASH_MUL)  # the same, for the kernels
 
 
 @dataclass
@@ -113,27 +114,37 @@ def penalize(logits: torch.Tensor, rules: LogitRules) -> None:
     )
 
 
+DRAW_MAX_K = 1024  # the most ranked tokens the draw kernel takes (one program per row holds them all)
+
+
 def sample(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
     """logits [B, V] (any float dtype) -> token ids [B] int64; `t` None: every row is greedy.
 
     Greedy rows take the argmax of the logits as they are: converting them to float32 first (as HF
-    does) changes no value, so no argmax; the draws are computed in float32."""
-    greedy = logits.argmax(dim=-1)
+    does) changes no value, so no argmax; the draws are computed in float32. On CUDA each draw is one
+    Triton kernel over the row (without ranking: one pass over its V logits; with it: over its K ranked
+    ones) instead of some fifty PyTorch ops, the same arithmetic."""
     if t is None:
-        return greedy
+        return logits.argmax(dim=-1)
     B, V = logits.shape
-    temperature = t.temperature.clamp_min(1e-6)[:, None]
+    kernels = on_kernels(logits)
     if not t.filtered:  # every token kept: the Gumbel-max draw over all of them, by token id, needs no ranking
-        scaled = logits / temperature  # float32: the temperature's dtype, in one pass
+        if kernels:
+            return _launch(_gumbel_max_kernel, logits, logits, None, t, V, BLOCK=2048)
+        scaled = logits / t.temperature.clamp_min(1e-6)[:, None]  # float32: the temperature's dtype, in one pass
         ids = torch.arange(V, device=logits.device).expand(B, V)
         u = torch.where(t.seeded[:, None], hashed_uniform(t.seed, t.position, ids), torch.rand_like(scaled))
-        return torch.where(t.temperature == 0, greedy, (scaled - torch.log(-torch.log(u))).argmax(dim=-1))
+        drawn = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
+        return torch.where(t.temperature == 0, logits.argmax(dim=-1), drawn)
+    greedy = logits.argmax(dim=-1)
     # [B, K] and the token id at each rank; no row keeps a token past the largest top_k, so only K are ranked.
     # A positive temperature keeps the order, so the logits are ranked as they are (no float32 copy of [B, V])
     # and only the K kept are scaled: the same values as scaling all first.
     K = min(t.max_top_k, V)
     top, order = logits.topk(K, dim=-1) if K < V else logits.sort(dim=-1, descending=True)
-    ordered = top / temperature  # float32
+    if kernels and K <= DRAW_MAX_K:
+        return _launch(_draw_kernel, top, order, greedy, t, K, K_P2=triton.next_power_of_2(K))
+    ordered = top / t.temperature.clamp_min(1e-6)[:, None]  # float32
     rank = torch.arange(K, device=logits.device)
     drop = rank[None, :] >= t.top_k[:, None]
     # min-p keeps the tokens at least min_p times as likely as the likeliest (ordered[:, 0]), after temperature;
@@ -147,6 +158,96 @@ def sample(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
     pick = (ordered.masked_fill(drop, float("-inf")) + gumbel).argmax(dim=-1, keepdim=True)
     sampled = order.gather(1, pick)[:, 0]
     return torch.where(t.temperature == 0, greedy, sampled)
+
+
+def _launch(kernel, values: torch.Tensor, ids: torch.Tensor, greedy: torch.Tensor | None, t: SamplingTensors,
+            width: int, **constexprs: int) -> torch.Tensor:
+    """One program per row of values [B, width]: a draw kernel's launch -> token ids [B] int64. An unseeded row's
+    uniforms come from Philox under a seed drawn from torch's CPU generator (on the host: no device sync)."""
+    B = values.shape[0]
+    assert values.stride(1) == 1 and ids.stride(1) == 1
+    out = torch.empty(B, dtype=torch.int64, device=values.device)
+    step_seed = int(torch.randint(2**31 - 1, ()))
+    kernel[(B,)](values, ids, greedy if greedy is not None else out, t.temperature, t.top_k, t.top_p, t.min_p,
+                 t.seeded.view(torch.int8), t.seed, t.position, out, width, values.stride(0), ids.stride(0),
+                 *t.seed.stride(), step_seed, **constexprs)
+    return out
+
+
+@triton.jit
+def _mix32(x):
+    """_mix in the kernels: the same integer hash of int64 values in [0, 2**32)."""
+    x = ((x >> 16) ^ x) * _HASH_MUL & _MASK32
+    x = ((x >> 16) ^ x) * _HASH_MUL & _MASK32
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _uniforms(seed_ptr, stride_s0, stride_s1, position_ptr, seeded, row, tokens, offsets, step_seed):
+    """hashed_uniform of the row's tokens where it is seeded, else Philox uniforms at `offsets`."""
+    h = _mix32(tl.load(seed_ptr + row * stride_s0) ^ _mix32(tl.load(seed_ptr + row * stride_s0 + stride_s1)))
+    h = _mix32(h ^ (tl.load(position_ptr + row) & _MASK32))
+    x = _mix32(h ^ (tokens & _MASK32))
+    hashed = ((x.to(tl.float64) + 0.5) / 4294967296.0).to(tl.float32)
+    hashed = tl.minimum(tl.maximum(hashed, 1e-7), 1 - 1e-7)
+    return tl.where(seeded != 0, hashed, tl.rand(step_seed, offsets))
+
+
+@triton.jit(do_not_specialize=["step_seed"])  # a new seed every step: never a recompile
+def _gumbel_max_kernel(
+    logits_ptr, ids_ptr, greedy_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeded_ptr, seed_ptr,
+    position_ptr, out_ptr, V, stride_l, stride_i, stride_s0, stride_s1, step_seed, BLOCK: tl.constexpr,
+):
+    """Row r's token: argmax over its V logits of logit / T + Gumbel noise (T = 0: of the logits as they are),
+    the first of equal ones, as torch.argmax takes."""
+    row = tl.program_id(0)
+    T = tl.load(temperature_ptr + row)
+    seeded = tl.load(seeded_ptr + row)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_at = tl.full((), 0, tl.int64)
+    for start in range(0, V, BLOCK):
+        col = start + tl.arange(0, BLOCK)
+        ok = col < V
+        x = tl.load(logits_ptr + row * stride_l + col, mask=ok, other=float("-inf")).to(tl.float32)
+        u = _uniforms(seed_ptr, stride_s0, stride_s1, position_ptr, seeded, row, col.to(tl.int64), row * V + col,
+                      step_seed)
+        drawn = tl.math.div_rn(x, tl.maximum(T, 1e-6)) - tl.log(-tl.log(u))
+        score = tl.where(ok, tl.where(T == 0, x, drawn), float("-inf"))
+        tile_best = tl.max(score, 0)
+        at = start + tl.argmax(score, 0, tie_break_left=True).to(tl.int64)
+        better = tile_best > best
+        best_at = tl.where(better, at, best_at)
+        best = tl.where(better, tile_best, best)
+    tl.store(out_ptr + row, best_at)
+
+
+@triton.jit(do_not_specialize=["step_seed"])
+def _draw_kernel(
+    top_ptr, order_ptr, greedy_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeded_ptr, seed_ptr,
+    position_ptr, out_ptr, K, stride_t, stride_o, stride_s0, stride_s1, step_seed, K_P2: tl.constexpr,
+):
+    """Row r's token from its K ranked logits (top, in descending order) and their ids (order), as `sample`'s
+    PyTorch ops do: scaled by 1 / T, cut by top_k, min_p and top_p, then the Gumbel-max draw; T = 0: greedy's."""
+    row = tl.program_id(0)
+    rank = tl.arange(0, K_P2)
+    ok = rank < K
+    T = tl.load(temperature_ptr + row)
+    x = tl.math.div_rn(tl.load(top_ptr + row * stride_t + rank, mask=ok, other=float("-inf")).to(tl.float32),
+                       tl.maximum(T, 1e-6))
+    drop = (rank >= tl.load(top_k_ptr + row)) | ~ok
+    first = tl.max(tl.where(rank == 0, x, float("-inf")), 0)
+    drop = drop | (x < first + tl.log(tl.load(min_p_ptr + row)))
+    kept = tl.where(drop, float("-inf"), x)
+    e = tl.exp(kept - tl.max(kept, 0))
+    probs = e / tl.sum(e, 0)
+    drop = drop | (tl.cumsum(probs, 0) - probs >= tl.load(top_p_ptr + row))
+    ids = tl.load(order_ptr + row * stride_o + rank, mask=ok, other=0)
+    u = _uniforms(seed_ptr, stride_s0, stride_s1, position_ptr, tl.load(seeded_ptr + row), row, ids,
+                  row * K_P2 + rank, step_seed)
+    score = tl.where(drop, float("-inf"), x) - tl.log(-tl.log(u))
+    pick = tl.argmax(score, 0, tie_break_left=True)
+    token = tl.sum(tl.where(rank == pick, ids, 0), 0)
+    tl.store(out_ptr + row, tl.where(T == 0, tl.load(greedy_ptr + row), token))
 
 
 def hashed_uniform(seed: torch.Tensor, position: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
