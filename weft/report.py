@@ -97,8 +97,12 @@ TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns
     "e9": (["server", "config", "workload", "request_rate"],
            ["median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_tok_s",
             "request_goodput"]),
+    "e14": (["workload_kind", "config"], ["output_tok_s", "itl_p50_s", "ttft_p50_s", "makespan_s",
+                                          "prefix_cache_hit_rate", *FLOOR]),
     "e15": (["model", "config", "B"], ["ttft_p50_s", "itl_p50_s", "weights_floor_s", "itl_floor_ratio", "output_tok_s",
                                        "peak_mem_bytes", *FLOOR]),
+    "e15_e8": (["model", "config"], ["ttft_p50_s", "itl_p50_s", "makespan_s", "output_tok_s", "peak_mem_bytes",
+                                     *FLOOR]),
     "e15_itl": (["model", "config"], ["itl_p50_s", "weights_bytes", "weights_floor_s", "itl_floor_ratio",
                                       "ttft_p50_s"]),
     "e15_kernel": (["model", "B", "top_k", "num_experts", "experts_touched"],
@@ -295,6 +299,29 @@ def profile_notes(df: pd.DataFrame) -> list[str]:
     return notes
 
 
+def sampling_notes(df: pd.DataFrame) -> list[str]:
+    """e14: in each workload, every sampling's output tok/s over its baseline's: greedy (n1 for the n's)."""
+    notes = []
+    for kind, rows in df.groupby("workload_kind", sort=False):
+        base = rows[rows["sampling"].isin(("greedy", "n1"))]
+        if len(base) != 1:
+            continue
+        b = base.iloc[0]
+        notes += [f"{kind}: {r.config} ÷ {b.config}, output tok/s: {r.output_tok_s:,.0f} ÷ {b.output_tok_s:,.0f} ="
+                  f" {r.output_tok_s / b.output_tok_s:.2f}×." for r in rows.drop(base.index).itertuples()]
+    return notes
+
+
+def peer_notes(df: pd.DataFrame) -> list[str]:
+    """e15_e8: weft's output tok/s over each HF peer's, per model (the same run)."""
+    notes = []
+    for model, rows in df.groupby("model"):
+        weft, peers = rows[rows["engine"] == "weft"], rows[rows["engine"] != "weft"]
+        notes += [f"{model}, output tok/s, {w.config} ÷ {p.config}: {w.output_tok_s:,.0f} ÷ {p.output_tok_s:,.0f} ="
+                  f" {w.output_tok_s / p.output_tok_s:.1f}×." for w in weft.itertuples() for p in peers.itertuples()]
+    return notes
+
+
 def family_notes(df: pd.DataFrame) -> list[str]:
     """e15_itl: each pair of dense models' batch-1 ITL p50, one over the other, beside their weights' (the same
     machinery: no family should cost more than its bytes)."""
@@ -313,8 +340,8 @@ def kernel_notes(df: pd.DataFrame) -> list[str]:
 
 NOTES: dict[str, Callable[[pd.DataFrame], list[str]]] = {
     "e2": batch_sweep_notes, "e4": clock_notes, "e9": serving_notes, "e11": prefix_cache_notes,
-    "e12": ablation_notes, "e13": profile_notes, "e15": batch_sweep_notes, "e15_itl": family_notes,
-    "e15_kernel": kernel_notes,
+    "e12": ablation_notes, "e13": profile_notes, "e14": sampling_notes, "e15": batch_sweep_notes,
+    "e15_e8": peer_notes, "e15_itl": family_notes, "e15_kernel": kernel_notes,
 }
 
 

@@ -2,6 +2,7 @@
 
 - moe_sweep: the mixture of experts (the Qwen3-30B-A3B shape) on e2's workload at each of e15_batches, weft
   (continuous x the configured backend) beside HF `generate` (eager), in the same run.
+- moe_standard: the mixture of experts on e8's workload, weft beside HF `generate_batch` (its continuous batching).
 - batch1_itl: the MoE and the dense families (Llama-3.1-8B, Qwen3-8B shapes) on e12's batch-1 request, weft only,
   each with its weights floor per step: the bytes a decode step reads (of the MoE, the experts its token is routed
   to), at the copy bandwidth measured in the same run.
@@ -48,6 +49,14 @@ def test_e15_moe_sweep(run_benchmark, sizes, model_for, device, e15_batch, engin
     config = BenchConfig(options=dict(attention=sizes.attention)) if engine == "weft" else BenchConfig(engine=engine)
     run_benchmark("e15", config, workload, model=sizes.e15_moe_model, S=sizes.e2_prompt_len, B=e15_batch,
                   **step_weights(hf, e15_batch, device))
+
+
+@pytest.mark.parametrize("engine", ["weft", "hf_generate_batch"])
+def test_e15_moe_standard(run_benchmark, sizes, model_for, engine):
+    hf = model_for(sizes.e15_moe_model, sizes.dtype, alone=True)
+    workload = workloads.standard(hf.config.vocab_size, sizes.e8_requests, sizes.e8_lengths)
+    config = BenchConfig(options=dict(attention=sizes.attention)) if engine == "weft" else BenchConfig(engine=engine)
+    run_benchmark("e15_e8", config, workload, model=sizes.e15_moe_model)
 
 
 def test_e15_batch1_itl(run_benchmark, sizes, model_for, device, e15_itl_model):

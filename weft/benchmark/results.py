@@ -30,7 +30,9 @@ EXPERIMENTS = {
     "e11": "shared-prefix workload, prefix cache on and off",
     "e12": "ablation: each optimization off in turn",
     "e13": "single steps profiled: GPU busy and idle, time by kernel class, the floor",
+    "e14": "vLLM's sampling fields: what each costs against the same requests greedy, single, or free",
     "e15": "model families: a mixture of experts' batch sweep, beside HF generate",
+    "e15_e8": "model families: a mixture of experts on the standard workload, beside HF generate_batch",
     "e15_itl": "model families: batch-1 ITL over the weights floor per step",
     "e15_kernel": "model families: the fused MoE kernels' bandwidth, one layer",
 }
