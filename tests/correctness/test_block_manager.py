@@ -134,8 +134,11 @@ def test_blocks_behind_a_sliding_window_go_back_to_the_pool(prefix_caching):
     assert s.num_dropped_blocks == 2 and s.block_table[:2] == [0, 0] and blocks.num_free == 8 - 2
     if prefix_caching:  # the blocks left behind are registered first: another prompt still finds them
         assert blocks.cached_prefix(seq(list(range(9)))) == held[:2]
+    chain = held + s.block_table[len(held) :]
     blocks.release(s)
     assert blocks.num_free == 8 and not any(blocks.refs)
+    if prefix_caching:  # the chain's head is evicted last, its next block before it, and so on
+        assert list(blocks.free)[-len(chain) :] == chain[::-1]
 
 
 def test_a_windowed_model_holds_only_its_window_and_serves_hfs_tokens():

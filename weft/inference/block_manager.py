@@ -128,9 +128,14 @@ class BlockManager:
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s references; a block no request holds becomes free. Its last blocks are freed first,
-        so that a prefix's leading blocks, the likeliest to be shared again, are evicted last."""
+        so that a prefix's leading blocks, the likeliest to be shared again, are evicted last: those left behind a
+        window, freed earlier, move behind the rest (the first last), if still free and findable."""
         for block in reversed(seq.block_table[seq.num_dropped_blocks :]):
             self._drop(block)
+        for h in reversed(seq.block_hashes[: seq.num_dropped_blocks]):
+            block = self.cached.get(h)
+            if block is not None and self.refs[block] == 0:
+                self.free.move_to_end(block)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_dropped_blocks = 0
