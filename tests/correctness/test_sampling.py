@@ -122,16 +122,19 @@ def test_a_step_with_every_sampling_rule_is_queued_without_waiting_for_the_devic
     llm = LLM("tiny-llama", attention="triton", num_blocks=64, device="cuda")
     want = llm.generate(prompts, params, use_tqdm=False)  # compiled, and warm
     runner = llm.llm_engine.runner
-    launch = runner.launch
 
-    def strict(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    def strict(launch):
+        def queued(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(runner, "launch", strict)
+        return queued
+
+    for half in ("launch_forward", "launch_sampling"):
+        monkeypatch.setattr(runner, half, strict(getattr(runner, half)))
     with llm:
         got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]  # seeded: the same

@@ -232,3 +232,31 @@ def test_a_tokenizer_that_cannot_serve_the_model_is_refused(tokenizer, error, me
 
     with pytest.raises(error, match=re.escape(message)):
         LLM("tiny-llama", tokenizer=tokenizer)
+
+
+@needs_smollm2
+def test_matchers_fill_and_accept_on_threads_as_one_by_one(compiler, smollm2):
+    """fill_bitmask and accept_tokens spread a step's matchers over the compiler's threads (from SPREAD_FROM on):
+    the same rows and states as one matcher at a time, and a token off a grammar still raises."""
+    from weft.inference.structured import SPREAD_FROM, accept_tokens, fill_bitmask
+
+    tok, V = smollm2.source.tokenizer, smollm2.source.config.V
+    specs = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(regex=r"\d{3}-\d{4}"),
+             StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(json_object=True)]
+    n = 2 * SPREAD_FROM + 3
+    texts = ['{"name": "Al', "55", "y", '{"a"']
+    spread, alone = ([compiler.matcher(specs[i % 4]) for i in range(n)] for _ in range(2))
+    first = [tok.encode(texts[i % 4], add_special_tokens=False)[0] for i in range(n)]
+    accept_tokens(spread, first)
+    for matcher, token in zip(alone, first, strict=True):
+        matcher.accept(token)
+    got, want = new_bitmask(n + 2, V), new_bitmask(n + 2, V)
+    fill_bitmask(spread, got)
+    for i, matcher in enumerate(alone):
+        matcher.fill(want, i)
+    assert torch.equal(got, want) and not torch.equal(got[0], got[1])
+    assert (got[n:] == -1).all()  # rows past the matchers are left as they were
+    off = list(first)
+    off[n - 1] = tok.encode("x", add_special_tokens=False)[0]  # a choice of "yes" or "no" after "y": off it
+    with pytest.raises(RuntimeError, match="does not follow the grammar"):
+        accept_tokens(spread, off)

@@ -231,9 +231,9 @@ class LLMEngine:
             if not self.in_flight and self.scheduler.has_work() and not batch.preempted:
                 raise RuntimeError("the scheduler made no progress: this is a weft bug, please report it")
             return outputs + self._land(keep=0)
-        launched = self._launch(batch)
+        launched, landed = self._launch(batch)
         overlap = self.config.enable_overlap and not launched.lands_at_once
-        return outputs + self._land(keep=1 if overlap else 0)
+        return outputs + landed + self._land(keep=1 if overlap else 0)
 
     def _count(self, batch: ScheduledBatch) -> None:
         """The step's work in the counters, before it changes any request."""
@@ -250,13 +250,18 @@ class LLMEngine:
             else:
                 s.prefill_tokens += T
 
-    def _launch(self, batch: ScheduledBatch) -> Launched:
-        """Queue `batch` on the device (after the steps in flight, whose ids it may read there)."""
+    def _launch(self, batch: ScheduledBatch) -> tuple[Launched, list[RequestOutput]]:
+        """Queue `batch` on the device (after the steps in flight, whose ids it may read there) -> the step, and
+        the outputs of the steps that landed meanwhile: where a sampled request's logit rules need its tokens on
+        the host (a grammar, a bad word), every step before lands after the forward pass is queued, while the
+        device runs it, and before the sampling is."""
         start = time.perf_counter()
-        launched = self.runner.launch(batch, self.in_flight[-1] if self.in_flight else None)
+        step = self.runner.launch_forward(batch, self.in_flight[-1] if self.in_flight else None)
+        landed = self._land(keep=0) if step.needs_host_tokens else []
+        launched = self.runner.launch_sampling(step)
         self.scheduler.launched(batch, launched.sampled, start)
         self.in_flight.append(launched)
-        return launched
+        return launched, landed
 
     def _land(self, keep: int) -> list[RequestOutput]:
         """Land the steps in flight, oldest first, until `keep` are left -> their outputs. A step leaves the
@@ -328,6 +333,8 @@ class LLMEngine:
             return
         self.abort_request(list(self.requests))
         self.ranks.stop(self.runner)
+        if self.grammars is not None:
+            self.grammars.threads.shutdown()
         self.in_flight.clear()
         self.runner = None
         gc.collect()

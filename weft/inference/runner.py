@@ -3,9 +3,10 @@
 It flattens the batch into T_total tokens and builds the attention metadata once per
 step (host lists -> one transfer), runs the model (from CUDA graphs where it has them: a
 decode step whole, another piecewise), and samples one token for every sequence whose known tokens are
-all in the cache after this step. `launch` returns as soon as the work is queued on the
-device, the sampled ids on their way to the host; a sequence whose newest token has not
-landed yet (the engine's overlap) reads it on the device, from the last step's ids.
+all in the cache after this step, in two calls that return as soon as their work is queued on the
+device: `launch_forward`, then `launch_sampling` (the sampled ids on their way to the host), so that
+the engine can land the steps before in between while the forward runs. A sequence whose newest token
+has not landed yet (the engine's overlap) reads it on the device, from the last step's ids.
 """
 
 from __future__ import annotations
@@ -114,6 +115,20 @@ class StepInputs:
 
 
 @dataclass
+class Forwarded:
+    """A step whose forward pass is queued on the device, its sampling not yet."""
+
+    lists: StepLists
+    logits: torch.Tensor  # [B' + prompt rows, V]: the step's logit rows
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether a sampled request's logit rules need its tokens on the host (Sequence.needs_host_tokens): the
+        steps before must land before this one's sampling is queued."""
+        return any(s.needs_host_tokens for s in self.lists.sampling)
+
+
+@dataclass
 class Launched:
     """A step queued on the device; `land` waits for its sampled ids."""
 
@@ -126,10 +141,8 @@ class Launched:
 
     @property
     def lands_at_once(self) -> bool:
-        """Whether the engine lands it before planning the next step: it carries logprobs, or a request's next
-        logit rules need this step's token on the host (Sequence.needs_host_tokens)."""
-        return (bool(self.prompt_logprobs) or any(e is not None for e in self.logprobs)
-                or any(s.needs_host_tokens for s in self.sampled))
+        """Whether the engine lands it before planning the next step: it carries logprobs."""
+        return bool(self.prompt_logprobs) or any(e is not None for e in self.logprobs)
 
     def land(self, decode: Callable[[list[int]], str] | None) -> StepOutput:
         """Wait for the sampled ids -> the step's output, its logprobs as vLLM's entries (`decode`: token ids to
@@ -234,15 +247,21 @@ class ModelRunner:
         return self.model.logits(hidden[x.logit_rows])
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, last: Launched | None = None) -> Launched:
-        """Queue `batch`'s forward pass and sampling on the device (`last`: the step before, whose ids
-        may still be pending) -> the step in flight. Logprobs, when asked for, are computed here."""
+    def launch_forward(self, batch: ScheduledBatch, last: Launched | None = None) -> Forwarded:
+        """Queue `batch`'s forward pass on the device (`last`: the step before, whose ids may still be pending)
+        -> the step with its logits on the way; `launch_sampling` queues the rest."""
         step = self.prepare(batch, last.tokens if last is not None else None)
-        logits = self.forward(step.tensors)
-        x = step.lists
+        return Forwarded(step.lists, self.forward(step.tensors))
+
+    @torch.inference_mode()
+    def launch_sampling(self, step: Forwarded) -> Launched:
+        """Queue the sampling of a step whose forward pass is queued -> the step in flight. Its rows' logit rules
+        are built here, on the host, while the device runs the forward (a grammar's mask from the tokens landed so
+        far); logprobs, when asked for, are computed here."""
+        x, logits = step.lists, step.logits
         n = len(x.sampling)
         sampled = logits[:n]
-        rules = self.sampling.rules(x.sampling)  # host work (a grammar's mask) while the device runs the forward
+        rules = self.sampling.rules(x.sampling)
         if rules is not None:
             sampled = adjust(sampled, rules)
         tokens = sample(sampled, self.sampling.settings(x.sampling))

@@ -4,7 +4,8 @@ The rules that need a request's tokens are kept where those tokens are: the toke
 penalty live on the device (a row of `counts` each, which the step's sampled ids update there), so they hold
 the overlap's pending tokens without a copy to the host. Bans that follow the output as text does (bad words of
 several tokens, a grammar's mask) are built on the host, which has every token of such a request: the engine
-lands each of its steps before it plans the next (Sequence.needs_host_tokens).
+lands the steps before its step once that step's forward pass is queued, before its sampling
+(Sequence.needs_host_tokens); a request that stopped there has no rules.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class SamplingState:
     def rules(self, seqs: list[Sequence]) -> LogitRules | None:
         """The logit rules of the sampled rows `seqs` (None when no row has a rule). A grammar's mask is filled
         here, while the device runs the forward pass."""
-        ruled = [(i, s) for i, s in enumerate(seqs) if not s.params.plain]
+        ruled = [(i, s) for i, s in enumerate(seqs) if not s.params.plain and s.status is not Status.FINISHED]
         if not ruled:
             return None
         allowed_rows, allowed_at, allowed_ids = [], [], []
@@ -174,10 +175,9 @@ def banned_tokens(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
 def grammar_masks(seqs: list[Sequence], V: int, device: torch.device) -> torch.Tensor:
     """The tokens each request's grammar allows next [S, V] bool on `device`, from the matchers' bitmasks, filled
     on the host and unpacked on the device (bit j of word w: token 32 w + j)."""
-    from weft.inference.structured import allowed_tokens, new_bitmask
+    from weft.inference.structured import allowed_tokens, fill_bitmask, new_bitmask
 
     bitmask = new_bitmask(len(seqs), V)  # [S, ceil(V / 32)] int32
-    for row, seq in enumerate(seqs):
-        seq.matcher.fill(bitmask, row)
+    fill_bitmask([seq.matcher for seq in seqs], bitmask)
     pinned = bitmask.pin_memory() if device.type == "cuda" else bitmask  # a pageable copy may wait on the device
     return allowed_tokens(pinned.to(device, non_blocking=True), V)

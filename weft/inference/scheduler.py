@@ -25,6 +25,7 @@ from weft.inference.block_manager import BlockManager
 from weft.inference.detokenizer import first_stop
 from weft.inference.outputs import Logprob
 from weft.inference.sequence import Sequence, Status
+from weft.inference.structured import accept_tokens
 
 
 @dataclass
@@ -124,8 +125,12 @@ class Scheduler(ABC):
     def launched(self, batch: ScheduledBatch, sampled: list[Sequence], now: float) -> None:
         """`batch` is queued on the device (at `now`): its new tokens count as computed, and the blocks they fill
         with known tokens are registered for the prefix cache (a later step reads them after this one has written
-        them: the device runs steps in order); each of `sampled`, its rows in order, awaits its next token."""
+        them: the device runs steps in order); each of `sampled`, its rows in order, awaits its next token. A
+        request that stopped while the step was being queued (the steps before landed meanwhile) is left as it
+        is: the token it awaits is dropped when it lands."""
         for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.status is Status.FINISHED:
+                continue
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
             seq.num_computed_tokens += T
@@ -143,11 +148,15 @@ class Scheduler(ABC):
         step was in flight, take none)."""
         for seq, entry in step.prompt_logprobs:
             seq.prompt_logprobs.append(entry)
-        took = []
-        for seq, token, entry in zip(step.sampled, step.tokens, step.logprobs, strict=True):
+        for seq in step.sampled:
             seq.num_pending -= 1
-            if seq.status is Status.FINISHED:
-                continue
+        landing = [row for row in zip(step.sampled, step.tokens, step.logprobs, strict=True)
+                   if row[0].status is not Status.FINISHED]
+        grammars = [(seq.matcher, token) for seq, token, _ in landing if seq.matcher is not None]
+        if grammars:  # their grammars advance first, all at once
+            accept_tokens([matcher for matcher, _ in grammars], [token for _, token in grammars])
+        took = []
+        for seq, token, entry in landing:
             seq.token_ids.append(token)
             if entry is not None:
                 seq.logprobs.append(entry)
@@ -162,12 +171,11 @@ class Scheduler(ABC):
         return took
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
-        """Advance its text and grammar by `token`, then end it if `token` stops it: a stop token, EOS, its grammar
-        complete, a stop string in its text (cut there: the text ends before it, or with it if asked), its length."""
+        """Advance its text by `token` (its grammar has taken it), then end it if `token` stops it: a stop token, EOS,
+        its grammar complete, a stop string in its text (cut there: the text ends before it, or with it if asked),
+        its length."""
         p, detok = seq.params, seq.detokenizer
         added = detok.add([token], final=False) if detok is not None else ""
-        if seq.matcher is not None:
-            seq.matcher.accept(token)
         stop = first_stop(detok.text, len(added), p.stop) if added and p.stop else None
         if token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token

@@ -60,7 +60,7 @@ class Sequence:
     @property
     def needs_host_tokens(self) -> bool:
         """Whether its next logits' rules depend on its tokens on the host (a grammar, a bad word of several
-        tokens): each step it samples in lands before the next is planned."""
+        tokens): the steps before one it samples in land before that one's sampling is queued."""
         return self.matcher is not None or any(len(w) > 1 for w in self.bad_words_ids)
 
     @cached_property

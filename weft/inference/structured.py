@@ -5,15 +5,19 @@ Per engine, a `GrammarCompiler` (from the tokenizer) compiles each request's `St
 once; per request, a `Matcher` follows the tokens generated so far. Each step, every constrained
 request's matcher fills its row of an int32 bitmask [R, ceil(V / 32)] on the CPU (bit j of word w
 allows token 32 w + j), the bitmask moves to the logits' device, and `allowed_tokens` unpacks it into the
-rows of allowed tokens the sampler applies. xgrammar is imported at first use: `import weft` stays light.
+rows of allowed tokens the sampler applies. xgrammar releases the GIL while it fills a row or accepts a
+token, so a step's matchers do both on the compiler's threads (`fill_bitmask`, `accept_tokens`).
+xgrammar is imported at first use: `import weft` stays light.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -29,6 +33,8 @@ PARAM = "structured_outputs"
 _FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 # xgrammar's errors open with "[hh:mm:ss] /project/cpp/file.cc:line: ", which says nothing to the user
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+THREADS = min(8, os.cpu_count() or 1)  # a compiler's threads for its matchers' fills and accepts
+SPREAD_FROM = 16  # matchers in a call from which the work is spread over the threads (fewer: one call costs less)
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,7 @@ class GrammarCompiler:
         for token in self.stop_token_ids:
             self._stop_row[token // 32] |= _bit(token % 32)
         self._cached = functools.lru_cache(maxsize=cache_size)(self._build)
+        self.threads = ThreadPoolExecutor(THREADS, thread_name_prefix="weft-grammar")
 
     def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar (cached by spec.key()); an invalid one is a ParamValueError saying why."""
@@ -135,7 +142,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputsParams) -> Matcher:
         """A matcher at the start of spec's grammar."""
-        return Matcher(self.compile(spec), self._stop_row)
+        return Matcher(self.compile(spec), self._stop_row, self.threads)
 
     def _build(self, key: tuple) -> xgrammar.CompiledGrammar:
         field, value = key
@@ -161,11 +168,13 @@ class GrammarCompiler:
 class Matcher:
     """One request's position in its grammar: fill() the next step's allowed tokens, accept() the sampled one."""
 
-    def __init__(self, grammar: xgrammar.CompiledGrammar, stop_row: torch.Tensor) -> None:
+    def __init__(self, grammar: xgrammar.CompiledGrammar, stop_row: torch.Tensor, threads: ThreadPoolExecutor
+                 ) -> None:
         import xgrammar
 
         self._matcher = xgrammar.GrammarMatcher(grammar)
         self._stop_row = stop_row  # int32 [ceil(V / 32)]: the stop tokens' bits only
+        self.threads = threads  # its compiler's
         self._scratch = torch.empty(1, stop_row.numel(), dtype=torch.int32)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
@@ -188,6 +197,29 @@ class Matcher:
             return False
         self._matcher.fill_next_token_bitmask(self._scratch, 0)
         return torch.equal(self._scratch[0], self._stop_row)
+
+
+def fill_bitmask(matchers: list[Matcher], bitmask: torch.Tensor) -> None:
+    """Row i of bitmask (int32 [R >= len(matchers), ceil(V / 32)], on the CPU) <- the tokens matchers[i] allows
+    next (as Matcher.fill), on the matchers' threads."""
+    _spread(matchers, lambda i: matchers[i].fill(bitmask, i))
+
+
+def accept_tokens(matchers: list[Matcher], tokens: list[int]) -> None:
+    """Advance matchers[i] by tokens[i] (as Matcher.accept), on the matchers' threads."""
+    _spread(matchers, lambda i: matchers[i].accept(tokens[i]))
+
+
+def _spread(matchers: list[Matcher], work: Callable[[int], None]) -> None:
+    """work(i) for every matcher's index; from SPREAD_FROM matchers on, in contiguous slices on their threads."""
+    n = len(matchers)
+    if n < SPREAD_FROM:
+        for i in range(n):
+            work(i)
+        return
+    bounds = [n * k // THREADS for k in range(THREADS + 1)]
+    for _ in matchers[0].threads.map(lambda k: [work(i) for i in range(bounds[k], bounds[k + 1])], range(THREADS)):
+        pass  # a slice's exception is raised here
 
 
 def _bit(j: int) -> int:
