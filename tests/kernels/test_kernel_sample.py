@@ -1,13 +1,15 @@
 """The draw kernels (weft/layers/sampler.py) against `sample`'s PyTorch ops: a seeded row's token is the same one,
-with and without ranking; an unseeded row draws from what its filters keep, at the softmax's rates."""
+with and without ranking, with penalties too; an unseeded row draws from what its filters keep, at the softmax's
+rates; `group_top` ranks as a stable sort does (equal values by id), penalties applied as it reads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.kernels.test_kernel_penalize import rules_for
 from weft.layers import sampler
-from weft.layers.sampler import SamplingTensors, sample
+from weft.layers.sampler import GROUP, LogitRules, SamplingTensors, adjust, group_top, sample
 
 pytestmark = pytest.mark.kernels
 
@@ -34,12 +36,17 @@ def settings(B: int, V: int, K: int | None, device, seeded: bool = True, seed: i
     return SamplingTensors(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(t).items()})
 
 
-def both(logits: torch.Tensor, t: SamplingTensors, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+def both(logits: torch.Tensor, t: SamplingTensors, monkeypatch, rules: LogitRules | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample` through PyTorch's ops, then through the kernels (in the interpreter on the CPU)."""
     monkeypatch.setattr(sampler, "on_kernels", lambda x: False)
-    want = sample(logits, t)
+    want = sample(logits, t, rules)
     monkeypatch.setattr(sampler, "on_kernels", lambda x: True)
-    return want, sample(logits, t)
+    return want, sample(logits, t, rules)
+
+
+def on(rules: LogitRules, device) -> LogitRules:
+    return LogitRules(**{f: getattr(rules, f).to(device) for f in rules.__dataclass_fields__})
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,3 +79,37 @@ def test_an_unseeded_row_draws_at_the_softmax_rates_among_what_it_keeps(device, 
     share = torch.bincount(got, minlength=V).double() / B
     assert (share[: K or V] - probs.double()).abs().max() < 0.08
     assert share[K or V :].sum() == 0
+
+
+@pytest.mark.parametrize(("B", "V", "K"), [(6, 3000, 50), (4, 2 * GROUP + 300, 7)])
+def test_a_seeded_row_draws_the_pytorch_ops_token_under_penalties(device, monkeypatch, B, V, K):
+    """The kernels penalize as group_top reads the logits (no adjusted copy): the tokens of adjust's ops."""
+    g = torch.Generator().manual_seed(V)
+    logits = (torch.randn(B, V, generator=g) * 3).to(device)
+    rules = rules_for(B, V, 2 * B, g)  # row 0 penalized: its likeliest token, said 3 times, no longer is
+    rules.counts[rules.count_rows[0], logits[0].argmax()] = 3
+    rules.frequency[0] = 5.0
+    rules = on(rules, device)
+    t = settings(B, V, K, device, seed=V)
+    want, got = both(logits, t, monkeypatch, rules)
+    assert got.tolist() == want.tolist()
+    assert got[0] == adjust(logits, rules)[0].argmax() != logits[0].argmax()  # the greedy row, penalized
+    assert want.tolist() != sample(logits, t).tolist()  # the penalties changed the draws
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("B", "V", "K"), [(3, 300, 1), (5, 2 * GROUP + 77, 64), (2, GROUP, GROUP // 2)])
+@pytest.mark.parametrize("penalized", [False, True])
+def test_group_top_ranks_as_a_stable_sort(device, dtype, B, V, K, penalized):
+    """Each row's K largest in descending order, equal values by ascending id, across groups (the last one
+    partial) and with many ties (values on a coarse grid, -inf among them; -0.0 equal to 0.0)."""
+    g = torch.Generator().manual_seed(V + K)
+    logits = (torch.randint(-6, 7, (B, V), generator=g) / 2).to(dtype)
+    logits[torch.rand(B, V, generator=g) < 0.1] = float("-inf")
+    logits[0, 5], logits[0, 3] = -0.0, 0.0
+    rules = rules_for(B, V, B + 1, g) if penalized else None
+    want = adjust(logits, rules) if penalized else logits.float()
+    want_top, want_ids = (x[:, :K] for x in want.sort(dim=-1, descending=True, stable=True))
+    top, ids = group_top(logits.to(device), K, on(rules, device) if penalized else None)
+    assert torch.equal(top.cpu(), want_top) and torch.equal(ids.cpu(), want_ids)
+    assert torch.equal(ids[:, 0].cpu(), want.argmax(-1))

@@ -27,7 +27,7 @@ from weft.inference.logprobs import Entries, as_dict, logprob_entries
 from weft.inference.sampling import SamplingState, device_tensor
 from weft.inference.scheduler import ScheduledBatch, StepOutput
 from weft.inference.sequence import Sequence
-from weft.layers.sampler import adjust, sample
+from weft.layers.sampler import sample
 from weft.models.llama import LlamaForCausalLM
 
 
@@ -262,9 +262,7 @@ class ModelRunner:
         n = len(x.sampling)
         sampled = logits[:n]
         rules = self.sampling.rules(x.sampling)
-        if rules is not None:
-            sampled = adjust(sampled, rules)
-        tokens = sample(sampled, self.sampling.settings(x.sampling))
+        tokens = sample(sampled, self.sampling.settings(x.sampling), rules)
         if rules is not None:
             self.sampling.count(rules, tokens)
         cuda = self.device.type == "cuda"

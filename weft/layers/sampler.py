@@ -55,6 +55,11 @@ class LogitRules:
     frequency: torch.Tensor  # [R] float32
     repetition: torch.Tensor  # [R] float32
 
+    @property
+    def penalties_only(self) -> bool:
+        """Whether penalties are its only rules (no allowed tokens, biases or bans)."""
+        return not self.allowed_rows.numel() and not self.bias_rows.numel()
+
 
 def adjust(logits: torch.Tensor, rules: LogitRules) -> torch.Tensor:
     """logits [B, V] (any float dtype) -> [B, V] float32 with the rules applied, in vLLM's order: the allowed
@@ -81,23 +86,34 @@ def adjust(logits: torch.Tensor, rules: LogitRules) -> torch.Tensor:
 
 
 @triton.jit
-def _penalize_kernel(
-    logits_ptr, rows_ptr, count_rows_ptr, counts_ptr, in_prompt_ptr, presence_ptr, frequency_ptr,
-    repetition_ptr, V, stride_l, stride_c, BLOCK: tl.constexpr,
-):
-    r, chunk = tl.program_id(0), tl.program_id(1)
-    row, crow = tl.load(rows_ptr + r), tl.load(count_rows_ptr + r)
-    col = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = col < V
-    at = logits_ptr + row * stride_l + col
-    x = tl.load(at, mask=mask, other=0.0)
+def _penalized(x, col, mask, r, count_rows_ptr, counts_ptr, in_prompt_ptr, presence_ptr, frequency_ptr,
+               repetition_ptr, stride_c):
+    """x (float32, a tile of a row at columns `col`) with the penalties of penalty row r, as `adjust`'s PyTorch ops
+    compute them (launched with enable_fp_fusion=False, so no multiply-add is contracted)."""
+    crow = tl.load(count_rows_ptr + r)
     count = tl.load(counts_ptr + crow * stride_c + col, mask=mask, other=0)
     prompt = tl.load(in_prompt_ptr + crow * stride_c + col, mask=mask, other=0)
     rep = tl.load(repetition_ptr + r)
     # div_rn: IEEE division, as PyTorch's (Triton's `/` on float32 is an approximation)
     penalized = tl.where(x > 0, tl.math.div_rn(x, rep), x * rep)
     x = tl.where((prompt != 0) | (count > 0), penalized, x)
-    x -= tl.load(frequency_ptr + r) * count.to(tl.float32) + tl.load(presence_ptr + r) * (count > 0).to(tl.float32)
+    return x - (tl.load(frequency_ptr + r) * count.to(tl.float32) +
+                tl.load(presence_ptr + r) * (count > 0).to(tl.float32))
+
+
+@triton.jit
+def _penalize_kernel(
+    logits_ptr, rows_ptr, count_rows_ptr, counts_ptr, in_prompt_ptr, presence_ptr, frequency_ptr,
+    repetition_ptr, V, stride_l, stride_c, BLOCK: tl.constexpr,
+):
+    r, chunk = tl.program_id(0), tl.program_id(1)
+    row = tl.load(rows_ptr + r)
+    col = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = col < V
+    at = logits_ptr + row * stride_l + col
+    x = tl.load(at, mask=mask, other=0.0)
+    x = _penalized(x, col, mask, r, count_rows_ptr, counts_ptr, in_prompt_ptr, presence_ptr, frequency_ptr,
+                   repetition_ptr, stride_c)
     tl.store(at, x, mask=mask)
 
 
@@ -115,19 +131,27 @@ def penalize(logits: torch.Tensor, rules: LogitRules) -> None:
 
 
 DRAW_MAX_K = 1024  # the most ranked tokens the draw kernel takes (one program per row holds them all)
+GROUP = 2048  # the columns of a row that one program of the group-top kernel ranks
+GROUP_TOP_MAX_K = 256  # the largest top_k the group-top kernel ranks (a group hands on up to 2K: 1/4 of it)
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
-    """logits [B, V] (any float dtype) -> token ids [B] int64; `t` None: every row is greedy.
+def sample(logits: torch.Tensor, t: SamplingTensors | None, rules: LogitRules | None = None) -> torch.Tensor:
+    """logits [B, V] (any float dtype) -> token ids [B] int64, after `rules` (adjust's, if any); `t` None: every
+    row is greedy.
 
     Greedy rows take the argmax of the logits as they are: converting them to float32 first (as HF
     does) changes no value, so no argmax; the draws are computed in float32. On CUDA each draw is one
     Triton kernel over the row (without ranking: one pass over its V logits; with it: over its K ranked
-    ones) instead of some fifty PyTorch ops, the same arithmetic."""
-    if t is None:
-        return logits.argmax(dim=-1)
+    ones) instead of some fifty PyTorch ops, the same arithmetic; a top_k of at most GROUP_TOP_MAX_K is
+    ranked by `group_top`, which also applies penalties (the only rules then) as it reads the logits."""
     B, V = logits.shape
     kernels = on_kernels(logits)
+    K = min(t.max_top_k, V) if t is not None else V
+    grouped = kernels and t is not None and t.filtered and K <= GROUP_TOP_MAX_K  # ranked by group_top
+    if rules is not None and not (grouped and rules.penalties_only):
+        logits, rules = adjust(logits, rules), None
+    if t is None:
+        return logits.argmax(dim=-1)
     if not t.filtered:  # every token kept: the Gumbel-max draw over all of them, by token id, needs no ranking
         if kernels:
             return _launch(_gumbel_max_kernel, logits, logits, None, t, V, BLOCK=2048)
@@ -136,12 +160,15 @@ def sample(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
         u = torch.where(t.seeded[:, None], hashed_uniform(t.seed, t.position, ids), torch.rand_like(scaled))
         drawn = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
         return torch.where(t.temperature == 0, logits.argmax(dim=-1), drawn)
-    greedy = logits.argmax(dim=-1)
-    # [B, K] and the token id at each rank; no row keeps a token past the largest top_k, so only K are ranked.
-    # A positive temperature keeps the order, so the logits are ranked as they are (no float32 copy of [B, V])
-    # and only the K kept are scaled: the same values as scaling all first.
-    K = min(t.max_top_k, V)
-    top, order = logits.topk(K, dim=-1) if K < V else logits.sort(dim=-1, descending=True)
+    # [B, K] and the token id at each rank, equal values by id (order[:, 0] is the argmax); no row keeps a token
+    # past the largest top_k, so only K are ranked. A positive temperature keeps the order, so the logits are
+    # ranked as they are (no float32 copy of [B, V]) and only the K kept are scaled: the same values as scaling
+    # all first.
+    if grouped:
+        top, order = group_top(logits, K, rules)
+    else:
+        top, order = (ranked[:, :K] for ranked in logits.sort(dim=-1, descending=True, stable=True))
+    greedy = order[:, 0].contiguous()
     if kernels and K <= DRAW_MAX_K:
         return _launch(_draw_kernel, top, order, greedy, t, K, K_P2=triton.next_power_of_2(K))
     ordered = top / t.temperature.clamp_min(1e-6)[:, None]  # float32
@@ -158,6 +185,81 @@ def sample(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
     pick = (ordered.masked_fill(drop, float("-inf")) + gumbel).argmax(dim=-1, keepdim=True)
     sampled = order.gather(1, pick)[:, 0]
     return torch.where(t.temperature == 0, greedy, sampled)
+
+
+def group_top(logits: torch.Tensor, K: int, rules: LogitRules | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (any float dtype) -> each row's K largest, float32 [B, K] in descending order, and their ids
+    [B, K] int64, equal values by ascending id (so ids[:, 0] is the argmax); with `rules` (penalties only: see
+    LogitRules.penalties_only), those of the penalized logits, computed as each tile is read (no float32 copy of
+    [B, V]). Each group of GROUP columns hands on at most 2K candidates, its K largest among them, and one stable
+    sort of all candidates ranks them."""
+    B, V = logits.shape
+    assert 1 <= K <= GROUP // 2 and logits.stride(1) == 1
+    G, CAP = triton.cdiv(V, GROUP), 2 * K
+    values = torch.empty(B, G * CAP, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(B, G * CAP, dtype=torch.int64, device=logits.device)
+    penalize = rules is not None and rules.penalty_rows.numel() > 0
+    if penalize:
+        assert rules.penalties_only and rules.counts.stride(1) == 1
+        penalty_of = torch.full((B,), -1, dtype=torch.int64, device=logits.device)  # each row's penalty row, or -1
+        penalty_of.index_copy_(0, rules.penalty_rows, torch.arange(rules.penalty_rows.numel(), device=logits.device))
+        p = (penalty_of, rules.count_rows, rules.counts, rules.in_prompt.view(torch.uint8), rules.presence,
+             rules.frequency, rules.repetition, rules.counts.stride(0))
+    else:
+        p = (logits, logits, logits, logits, logits, logits, logits, 0)  # never read
+    _group_top_kernel[(B, G)](logits, *p[:-1], values, ids, V, K, logits.stride(0), p[-1], values.stride(0),
+                              GROUP=GROUP, CAP_P2=triton.next_power_of_2(CAP), PENALIZE=penalize,
+                              enable_fp_fusion=False, num_warps=8)
+    top, at = values.sort(dim=-1, descending=True, stable=True)
+    return top[:, :K], ids.gather(1, at[:, :K])
+
+
+@triton.jit
+def _group_top_kernel(
+    logits_ptr, penalty_of_ptr, count_rows_ptr, counts_ptr, in_prompt_ptr, presence_ptr, frequency_ptr,
+    repetition_ptr, values_ptr, ids_ptr, V, K, stride_l, stride_c, stride_o, GROUP: tl.constexpr,
+    CAP_P2: tl.constexpr, PENALIZE: tl.constexpr,
+):
+    """Group g of a row: candidates (values, penalized first with PENALIZE, and ids) into the row's slots
+    [g CAP, (g + 1) CAP), CAP = 2K: every value above a threshold t, then as many equal to t as fit, each kind in
+    id order (so a stable sort of all the slots ranks equal values by id), -inf in the slots left. t is found by
+    bisecting integer keys in the values' order: the group's K-th largest, or any lower one that at most CAP reach
+    (fewer steps). Columns past V read as -inf; with K <= V they never rank among a row's first K."""
+    row, g = tl.program_id(0), tl.program_id(1)
+    col = g * GROUP + tl.arange(0, GROUP)
+    ok = col < V
+    x = tl.load(logits_ptr + row * stride_l + col, mask=ok, other=float("-inf")).to(tl.float32)
+    if PENALIZE:
+        r = tl.load(penalty_of_ptr + row)
+        if r >= 0:
+            x = _penalized(x, col, ok, r, count_rows_ptr, counts_ptr, in_prompt_ptr, presence_ptr, frequency_ptr,
+                           repetition_ptr, stride_c)
+    x = tl.where(ok, x + 0.0, float("-inf"))  # + 0.0: -0.0 becomes 0.0, one key for equal values
+    bits = x.to(tl.int32, bitcast=True)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)  # integers in the values' order
+    CAP = 2 * K
+    lo = tl.min(key, 0)  # at least K keys are >= lo (all GROUP of them, at first), and the K-th largest <= hi
+    hi = tl.max(key, 0)
+    n_lo = tl.full((), GROUP, tl.int32)
+    while (lo < hi) & (n_lo > CAP):
+        mid = lo + (hi - lo + 1) // 2
+        n = tl.sum((key >= mid).to(tl.int32), 0)
+        enough = n >= K
+        lo = tl.where(enough, mid, lo)
+        n_lo = tl.where(enough, n, n_lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = key > lo
+    tie = key == lo
+    n_above = tl.sum(above.to(tl.int32), 0)
+    slot = tl.where(above, tl.cumsum(above.to(tl.int32), 0) - 1, n_above + tl.cumsum(tie.to(tl.int32), 0) - 1)
+    keep = (above | tie) & (slot < CAP)
+    base = row * stride_o + g * CAP
+    tl.store(values_ptr + base + slot, x, mask=keep)
+    tl.store(ids_ptr + base + slot, col.to(tl.int64), mask=keep)
+    spare = tl.arange(0, CAP_P2)
+    left = (spare >= tl.minimum(n_lo, CAP)) & (spare < CAP)
+    tl.store(values_ptr + base + spare, float("-inf"), mask=left)
+    tl.store(ids_ptr + base + spare, g * GROUP, mask=left)
 
 
 def _launch(kernel, values: torch.Tensor, ids: torch.Tensor, greedy: torch.Tensor | None, t: SamplingTensors,
