@@ -14,6 +14,7 @@ flight gets EngineDead and the server reports itself unhealthy.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import threading
@@ -227,6 +228,10 @@ def engine_main(config: EngineConfig, commands, outputs) -> None:
     except BaseException as e:  # noqa: BLE001 (whatever it is, the server must say it and exit)
         outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
+    # the process's objects so far (the model's modules, the tokenizer: some 400,000) live as long as it does: frozen,
+    # the collector no longer walks them, which took tens of microseconds from each request's output every step
+    gc.collect()
+    gc.freeze()
     outputs.send(EngineReady(engine.model_name, engine.config.max_model_len, engine.pool.num_blocks))
     started: set[str] = set()  # requests whose prompt ids went out with their first piece
     try:
