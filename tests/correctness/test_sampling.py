@@ -13,6 +13,9 @@ import torch
 from tests.correctness.test_sampler import settings
 from weft import LLM, RequestOutputKind, SamplingParams
 from weft.inference.engine import LLMEngine
+from weft.inference.outputs import RequestMetrics
+from weft.inference.sampling import SamplingState
+from weft.inference.sequence import Sequence
 from weft.inference.structured import StructuredOutputsParams
 from weft.layers.sampler import LogitRules, adjust, sample
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
@@ -138,6 +141,25 @@ def test_a_step_with_every_sampling_rule_is_queued_without_waiting_for_the_devic
     with llm:
         got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]  # seeded: the same
+
+
+def test_a_steps_settings_and_rules_start_16_byte_aligned_whatever_its_batch_size(device):
+    """The Triton kernels are compiled for their pointers' alignment: each of a step's settings and rules (views of
+    one copy to the device) starts 16-byte aligned at every batch size, seeds as [B, 2] rows, else a batch size
+    would compile them again mid-serving (a second or so, each)."""
+    state = SamplingState(V=100, device=device, capacity=16, eos_token_ids=frozenset({0}))
+    for B in range(1, 10):
+        seqs = [Sequence(i, [1, 2, 3], 3, SamplingParams(temperature=0.5 + i / 10, top_k=5, seed=2**40 + i,
+                                                         presence_penalty=0.1 * i, frequency_penalty=0.2,
+                                                         repetition_penalty=1.1, logit_bias={7: 1.0}),
+                         16, RequestMetrics(0.0)) for i in range(B)]
+        t, r = state.settings(seqs), state.rules(seqs)
+        kernels_read = [t.temperature, t.top_p, t.min_p, t.top_k, t.seeded, t.seed, t.position, r.penalty_rows,
+                        r.count_rows, r.presence, r.frequency, r.repetition]
+        assert all(x.data_ptr() % 16 == 0 for x in kernels_read), B
+        assert t.seed.shape == (B, 2) and t.seed.stride() == (2, 1) and t.seed[:, 1].tolist() == [2**8] * B
+        assert t.temperature.tolist() == pytest.approx([0.5 + i / 10 for i in range(B)])
+        assert r.presence.tolist() == pytest.approx([0.1 * i for i in range(B)]) and r.bias_tokens.tolist() == [7] * B
 
 
 def test_allowed_tokens_bias_and_min_tokens(tiny):

@@ -15,6 +15,8 @@ import torch
 from weft.inference.sequence import Sequence, Status
 from weft.layers.sampler import MASK32, LogitRules, SamplingTensors
 
+ALIGN = 16  # bytes: where each of a step's settings starts on the device
+
 
 class SamplingState:
     """`capacity` rows of token counts (the most requests a step holds), allocated at the first request with a
@@ -32,21 +34,20 @@ class SamplingState:
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):
             return None
-        floats = [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]]
+        temperature, top_p, min_p = device_rows(
+            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+            torch.float32, self.device)  # fmt: skip
         seeds = [p.seed if p.seed is not None else 0 for p in params]
-        ints = [
-            [p.top_k if p.top_k > 0 else self.V for p in params],
-            [p.seed is not None for p in params],
-            [seed & MASK32 for seed in seeds],
-            [(seed >> 32) & MASK32 for seed in seeds],
-            [s.num_tokens for s in seqs],
-        ]  # fmt: skip
-        max_top_k = max(ints[0])
-        filtered = max_top_k < self.V or any(p.top_p < 1 or p.min_p > 0 for p in params)
-        floats, ints = device_tensor(floats, torch.float32, self.device), device_tensor(ints, torch.int64, self.device)
+        top_k = [p.top_k if p.top_k > 0 else self.V for p in params]
+        top_k_row, seeded, seed, position = device_rows(
+            [top_k, [p.seed is not None for p in params],
+             [half for seed in seeds for half in (seed & MASK32, (seed >> 32) & MASK32)], [s.num_tokens for s in seqs]],
+            torch.int64, self.device)  # fmt: skip
+        max_top_k = max(top_k)
         return SamplingTensors(
-            temperature=floats[0], top_p=floats[1], min_p=floats[2], top_k=ints[0], seeded=ints[1].bool(),
-            seed=ints[2:4].T, position=ints[4], max_top_k=max_top_k, filtered=filtered,
+            temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k_row, seeded=seeded.bool(),
+            seed=seed.view(-1, 2), position=position, max_top_k=max_top_k,
+            filtered=max_top_k < self.V or any(p.top_p < 1 or p.min_p > 0 for p in params),
         )  # fmt: skip
 
     def rules(self, seqs: list[Sequence]) -> LogitRules | None:
@@ -77,45 +78,46 @@ class SamplingState:
             if s.matcher is not None:
                 grammar_rows.append((i, s))
         # one row of allowed tokens per request that has some: its allowed_token_ids, its grammar's, or the tokens
-        # in both (a logits row may appear once in allowed_rows: adjust writes each row of it back once)
+        # in both (a logits row may appear once in allowed_rows: adjust writes each row of it back once); a grammar's
+        # request without allowed_token_ids gets a row of every token, for its mask to clear
         listed = len(allowed_rows)
-        allowed = torch.zeros(listed, self.V, dtype=torch.bool, device=self.device)
+        at = {row: n for n, row in enumerate(allowed_rows)}
+        allowed_rows += [i for i, _ in grammar_rows if i not in at]
+        at.update((row, n) for n, row in enumerate(allowed_rows))
+        flat, grammar, rows, tokens, penalty_rows, count_rows = device_rows(
+            [[r * self.V + t for r, t in zip(allowed_at, allowed_ids, strict=True)], [at[i] for i, _ in grammar_rows],
+             allowed_rows + bias_rows, bias_tokens, [i for i, _ in penalized], self._rows([s for _, s in penalized])],
+            torch.int64, self.device)  # fmt: skip
+        pen = [s.params for _, s in penalized]
+        bias, presence, frequency, repetition = device_rows(
+            [bias, [p.presence_penalty for p in pen], [p.frequency_penalty for p in pen],
+             [p.repetition_penalty for p in pen]], torch.float32, self.device)  # fmt: skip
+        allowed = torch.zeros(len(allowed_rows), self.V, dtype=torch.bool, device=self.device)
+        allowed[listed:].fill_(True)
         # index_fill_ takes its value as a kernel argument: `allowed[rows, ids] = True` would copy a CPU scalar over
         # and wait for the device, every step
-        flat = [r * self.V + t for r, t in zip(allowed_at, allowed_ids, strict=True)]
-        allowed.view(-1).index_fill_(0, self._ints(flat), True)
+        allowed.view(-1).index_fill_(0, flat, True)
         if grammar_rows:
-            at = {row: n for n, row in enumerate(allowed_rows)}
-            unlisted = [i for i, _ in grammar_rows if i not in at]
-            allowed = torch.cat([allowed, torch.ones(len(unlisted), self.V, dtype=torch.bool, device=self.device)])
-            at.update((row, listed + n) for n, row in enumerate(unlisted))
-            allowed_rows += unlisted
-            grammar = self._ints([at[i] for i, _ in grammar_rows])
             allowed[grammar] &= grammar_masks([s for _, s in grammar_rows], self.V, self.device)
-        count_rows = self._rows([s for _, s in penalized])
-        pen = [s.params for _, s in penalized]
-        floats = device_tensor([[p.presence_penalty for p in pen], [p.frequency_penalty for p in pen],
-                                [p.repetition_penalty for p in pen]], torch.float32, self.device)
         none = torch.zeros(0, self.V, dtype=torch.int32, device=self.device)
         return LogitRules(
-            allowed_rows=self._ints(allowed_rows), allowed=allowed,
-            bias_rows=self._ints(bias_rows), bias_tokens=self._ints(bias_tokens),
-            bias=device_tensor(bias, torch.float32, self.device),
-            penalty_rows=self._ints([i for i, _ in penalized]), count_rows=count_rows,
+            allowed_rows=rows[: len(allowed_rows)], allowed=allowed, bias_rows=rows[len(allowed_rows) :],
+            bias_tokens=tokens, bias=bias, penalty_rows=penalty_rows, count_rows=count_rows,
             counts=self.counts if pen else none, in_prompt=self.in_prompt if pen else none.bool(),
-            presence=floats[0], frequency=floats[1], repetition=floats[2],
+            presence=presence, frequency=frequency, repetition=repetition,
         )  # fmt: skip
 
     def count(self, rules: LogitRules, tokens: torch.Tensor) -> None:
-        """The step's sampled ids `tokens` [B'] into the counts of the requests with a penalty (on the device)."""
+        """The step's sampled ids `tokens` [B'] into the counts of the requests with a penalty (on the device; each
+        request's row is its own, so no two rows add to one count)."""
         if rules.count_rows.numel():
             picked = tokens.index_select(0, rules.penalty_rows)
-            ones = torch.ones_like(picked, dtype=torch.int32)
-            self.counts.index_put_((rules.count_rows, picked), ones, accumulate=True)
+            self.counts.view(-1).index_add_(0, rules.count_rows * self.V + picked,
+                                            torch.ones_like(picked, dtype=torch.int32))
 
-    def _rows(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Each request's row of counts [R] int64; a request without one gets one, filled from its tokens (all on
-        the host: it has none in flight before its first step sampled, nor when it comes back from a preemption)."""
+    def _rows(self, seqs: list[Sequence]) -> list[int]:
+        """Each request's row of counts; a request without one gets one, filled from its tokens (all on the host: it
+        has none in flight before its first step sampled, nor when it comes back from a preemption)."""
         for seq in seqs:
             if seq in self.row_of:
                 continue
@@ -128,7 +130,7 @@ class SamplingState:
             self.in_prompt[row].zero_().index_fill_(0, prompt, True)
             # index_add_, not bincount: bincount's length waits on the device for the largest id
             self.counts[row].zero_().index_add_(0, output, torch.ones_like(output, dtype=torch.int32))
-        return self._ints([self.row_of[seq] for seq in seqs])
+        return [self.row_of[seq] for seq in seqs]
 
     def _free_row(self) -> int:
         """A row no running request holds: a finished request's, else a waiting (preempted) one's, which it
@@ -145,6 +147,22 @@ class SamplingState:
 
     def _ints(self, values) -> torch.Tensor:
         return device_tensor(values, torch.int64, self.device)
+
+
+def device_rows(rows: list[list], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Lists of numbers -> a 1-D tensor each on `device`, views of one copy made as `device_tensor` makes it, each
+    starting 16-byte aligned: the Triton kernels are compiled for the alignment of their pointers, so a view at
+    another one (a batch size that moved it) would compile them again, for a second or so, mid-serving."""
+    per = ALIGN // torch.empty((), dtype=dtype).element_size()
+    sizes = [len(row) for row in rows]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // per) * per)
+    flat = [0] * starts[-1]
+    for row, start in zip(rows, starts, strict=False):
+        flat[start : start + len(row)] = row
+    buffer = device_tensor(flat, dtype, device)
+    return [buffer[start : start + n] for start, n in zip(starts, sizes, strict=False)]
 
 
 def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -164,7 +182,7 @@ def banned_tokens(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
         banned += p.stop_token_ids
         if not p.ignore_eos:
             banned += eos_token_ids
-    output = seq.token_ids[seq.num_prompt_tokens :]
+    output = seq.token_ids[seq.num_prompt_tokens :] if seq.bad_words_ids else []
     for word in seq.bad_words_ids:
         if len(word) == 1 or (len(output) >= len(word) - 1 and tuple(output[len(output) - len(word) + 1 :]) ==
                               word[:-1]):

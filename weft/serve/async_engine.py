@@ -264,6 +264,8 @@ def engine_main(config: EngineConfig, commands, outputs) -> None:
     except BaseException as e:  # noqa: BLE001 (a step raised: the engine's state is no longer trusted)
         logger.exception("the engine process is stopping: a step raised")
         outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
+    finally:
+        gc.unfreeze()  # the interpreter's exit frees them (frozen, extensions report them as leaked)
 
 
 def _add(engine, command: AddRequest) -> None:
