@@ -235,15 +235,15 @@ def test_a_tokenizer_that_cannot_serve_the_model_is_refused(tokenizer, error, me
 
 
 @needs_smollm2
-def test_matchers_fill_and_accept_on_threads_as_one_by_one(compiler, smollm2):
-    """fill_bitmask and accept_tokens spread a step's matchers over the compiler's threads (from SPREAD_FROM on):
-    the same rows and states as one matcher at a time, and a token off a grammar still raises."""
-    from weft.inference.structured import SPREAD_FROM, accept_tokens, fill_bitmask
+def test_matchers_fill_and_accept_in_one_call_as_one_by_one(compiler, smollm2):
+    """fill_bitmask and accept_tokens take a step's matchers in one call into xgrammar: the same rows and states as
+    one matcher at a time, and a token off a grammar still raises."""
+    from weft.inference.structured import accept_tokens, fill_bitmask
 
     tok, V = smollm2.source.tokenizer, smollm2.source.config.V
     specs = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(regex=r"\d{3}-\d{4}"),
              StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(json_object=True)]
-    n = 2 * SPREAD_FROM + 3
+    n = 35
     texts = ['{"name": "Al', "55", "y", '{"a"']
     spread, alone = ([compiler.matcher(specs[i % 4]) for i in range(n)] for _ in range(2))
     first = [tok.encode(texts[i % 4], add_special_tokens=False)[0] for i in range(n)]

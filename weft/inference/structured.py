@@ -5,8 +5,8 @@ Per engine, a `GrammarCompiler` (from the tokenizer) compiles each request's `St
 once; per request, a `Matcher` follows the tokens generated so far. Each step, every constrained
 request's matcher fills its row of an int32 bitmask [R, ceil(V / 32)] on the CPU (bit j of word w
 allows token 32 w + j), the bitmask moves to the logits' device, and `allowed_tokens` unpacks it into the
-rows of allowed tokens the sampler applies. xgrammar releases the GIL while it fills a row or accepts a
-token, so a step's matchers do both on the compiler's threads (`fill_bitmask`, `accept_tokens`).
+rows of allowed tokens the sampler applies. A step's matchers fill their rows and accept their tokens in one
+call each into xgrammar (`fill_bitmask` on its threads, `accept_tokens`), without the interpreter lock.
 xgrammar is imported at first use: `import weft` stays light.
 """
 
@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -33,8 +31,6 @@ PARAM = "structured_outputs"
 _FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 # xgrammar's errors open with "[hh:mm:ss] /project/cpp/file.cc:line: ", which says nothing to the user
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-THREADS = min(8, os.cpu_count() or 1)  # a compiler's threads for its matchers' fills and accepts
-SPREAD_FROM = 16  # matchers in a call from which the work is spread over the threads (fewer: one call costs less)
 
 
 @dataclass(frozen=True)
@@ -134,7 +130,7 @@ class GrammarCompiler:
         for token in self.stop_token_ids:
             self._stop_row[token // 32] |= _bit(token % 32)
         self._cached = functools.lru_cache(maxsize=cache_size)(self._build)
-        self.threads = ThreadPoolExecutor(THREADS, thread_name_prefix="weft-grammar")
+        self.batch = xgrammar.BatchGrammarMatcher()  # fills many matchers' rows at once, on its own threads
 
     def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar (cached by spec.key()); an invalid one is a ParamValueError saying why."""
@@ -142,7 +138,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputsParams) -> Matcher:
         """A matcher at the start of spec's grammar."""
-        return Matcher(self.compile(spec), self._stop_row, self.threads)
+        return Matcher(self.compile(spec), self._stop_row, self.batch)
 
     def _build(self, key: tuple) -> xgrammar.CompiledGrammar:
         field, value = key
@@ -168,13 +164,13 @@ class GrammarCompiler:
 class Matcher:
     """One request's position in its grammar: fill() the next step's allowed tokens, accept() the sampled one."""
 
-    def __init__(self, grammar: xgrammar.CompiledGrammar, stop_row: torch.Tensor, threads: ThreadPoolExecutor
-                 ) -> None:
+    def __init__(self, grammar: xgrammar.CompiledGrammar, stop_row: torch.Tensor,
+                 batch: xgrammar.BatchGrammarMatcher) -> None:
         import xgrammar
 
         self._matcher = xgrammar.GrammarMatcher(grammar)
         self._stop_row = stop_row  # int32 [ceil(V / 32)]: the stop tokens' bits only
-        self.threads = threads  # its compiler's
+        self.batch = batch  # its compiler's
         self._scratch = torch.empty(1, stop_row.numel(), dtype=torch.int32)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
@@ -201,25 +197,18 @@ class Matcher:
 
 def fill_bitmask(matchers: list[Matcher], bitmask: torch.Tensor) -> None:
     """Row i of bitmask (int32 [R >= len(matchers), ceil(V / 32)], on the CPU) <- the tokens matchers[i] allows
-    next (as Matcher.fill), on the matchers' threads."""
-    _spread(matchers, lambda i: matchers[i].fill(bitmask, i))
+    next (as Matcher.fill), in one call (the matchers share their compiler's batch matcher)."""
+    matchers[0].batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask)
 
 
 def accept_tokens(matchers: list[Matcher], tokens: list[int]) -> None:
-    """Advance matchers[i] by tokens[i] (as Matcher.accept), on the matchers' threads."""
-    _spread(matchers, lambda i: matchers[i].accept(tokens[i]))
+    """Advance matchers[i] by tokens[i] (as Matcher.accept), in one call."""
+    import xgrammar
 
-
-def _spread(matchers: list[Matcher], work: Callable[[int], None]) -> None:
-    """work(i) for every matcher's index; from SPREAD_FROM matchers on, in contiguous slices on their threads."""
-    n = len(matchers)
-    if n < SPREAD_FROM:
-        for i in range(n):
-            work(i)
-        return
-    bounds = [n * k // THREADS for k in range(THREADS + 1)]
-    for _ in matchers[0].threads.map(lambda k: [work(i) for i in range(bounds[k], bounds[k + 1])], range(THREADS)):
-        pass  # a slice's exception is raised here
+    taken = xgrammar.BatchGrammarMatcher.batch_accept_token([m._matcher for m in matchers], tokens)
+    if not all(taken):
+        token = tokens[taken.index(False)]
+        raise RuntimeError(f"token {token} does not follow the grammar here: was it sampled without the mask?")
 
 
 def _bit(j: int) -> int:
