@@ -235,15 +235,16 @@ def test_a_tokenizer_that_cannot_serve_the_model_is_refused(tokenizer, error, me
 
 
 @needs_smollm2
-def test_matchers_fill_and_accept_in_one_call_as_one_by_one(compiler, smollm2):
-    """fill_bitmask and accept_tokens take a step's matchers in one call into xgrammar: the same rows and states as
-    one matcher at a time, and a token off a grammar still raises."""
-    from weft.inference.structured import accept_tokens, fill_bitmask
+def test_matchers_fill_and_accept_together_as_one_by_one(compiler, smollm2):
+    """fill_bitmask (one call into xgrammar) and accept_tokens (spread over threads from SPREAD_FROM matchers on) take
+    a step's matchers together: the same rows and states as one matcher at a time, whatever the rows held before,
+    and a token off a grammar still raises."""
+    from weft.inference.structured import SPREAD_FROM, accept_tokens, fill_bitmask
 
     tok, V = smollm2.source.tokenizer, smollm2.source.config.V
     specs = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(regex=r"\d{3}-\d{4}"),
              StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(json_object=True)]
-    n = 35
+    n = 2 * SPREAD_FROM + 3
     texts = ['{"name": "Al', "55", "y", '{"a"']
     spread, alone = ([compiler.matcher(specs[i % 4]) for i in range(n)] for _ in range(2))
     first = [tok.encode(texts[i % 4], add_special_tokens=False)[0] for i in range(n)]
@@ -256,6 +257,9 @@ def test_matchers_fill_and_accept_in_one_call_as_one_by_one(compiler, smollm2):
         matcher.fill(want, i)
     assert torch.equal(got, want) and not torch.equal(got[0], got[1])
     assert (got[n:] == -1).all()  # rows past the matchers are left as they were
+    reused = torch.randint(-(2**31), 2**31, got.shape, dtype=torch.int64).to(torch.int32)  # a buffer's old rows
+    fill_bitmask(spread, reused)
+    assert torch.equal(reused[:n], want[:n])
     off = list(first)
     off[n - 1] = tok.encode("x", add_special_tokens=False)[0]  # a choice of "yes" or "no" after "y": off it
     with pytest.raises(RuntimeError, match="does not follow the grammar"):

@@ -28,6 +28,7 @@ class SamplingState:
         self.row_of: dict[Sequence, int] = {}  # requests with a penalty -> their row of counts
         self.counts: torch.Tensor | None = None  # [capacity, V] int32: each token's count in the output
         self.in_prompt: torch.Tensor | None = None  # [capacity, V] bool
+        self.bitmask: torch.Tensor | None = None  # [capacity, ceil(V / 32)] int32, pinned on CUDA: grammars' masks
 
     def settings(self, seqs: list[Sequence]) -> SamplingTensors | None:
         """The sampled rows' settings as tensors (None when every row is greedy)."""
@@ -98,7 +99,7 @@ class SamplingState:
         # and wait for the device, every step
         allowed.view(-1).index_fill_(0, flat, True)
         if grammar_rows:
-            allowed[grammar] &= grammar_masks([s for _, s in grammar_rows], self.V, self.device)
+            allowed[grammar] &= self._grammar_masks([s for _, s in grammar_rows])
         none = torch.zeros(0, self.V, dtype=torch.int32, device=self.device)
         return LogitRules(
             allowed_rows=rows[: len(allowed_rows)], allowed=allowed, bias_rows=rows[len(allowed_rows) :],
@@ -145,6 +146,20 @@ class SamplingState:
                 return self.row_of.pop(seq)
         raise RuntimeError("more requests with a penalty than rows of counts: this is a weft bug, please report it")
 
+    def _grammar_masks(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The tokens each request's grammar allows next [S, V] bool on the device: the matchers' bitmasks, filled on
+        the host into rows of `bitmask` and unpacked on the device (bit j of word w: token 32 w + j). The buffer is
+        reused: a grammar's rules are built once every step before has landed, so no copy still reads it."""
+        from weft.inference.structured import allowed_tokens, fill_bitmask, new_bitmask
+
+        if self.bitmask is None:
+            self.bitmask = new_bitmask(self.capacity, self.V)
+            if self.device.type == "cuda":  # a pageable copy may wait on the device
+                self.bitmask = self.bitmask.pin_memory()
+        bitmask = self.bitmask[: len(seqs)]  # every row of it is written
+        fill_bitmask([seq.matcher for seq in seqs], bitmask)
+        return allowed_tokens(bitmask.to(self.device, non_blocking=True), self.V)
+
     def _ints(self, values) -> torch.Tensor:
         return device_tensor(values, torch.int64, self.device)
 
@@ -188,14 +203,3 @@ def banned_tokens(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
                               word[:-1]):
             banned.append(word[-1])
     return banned
-
-
-def grammar_masks(seqs: list[Sequence], V: int, device: torch.device) -> torch.Tensor:
-    """The tokens each request's grammar allows next [S, V] bool on `device`, from the matchers' bitmasks, filled
-    on the host and unpacked on the device (bit j of word w: token 32 w + j)."""
-    from weft.inference.structured import allowed_tokens, fill_bitmask, new_bitmask
-
-    bitmask = new_bitmask(len(seqs), V)  # [S, ceil(V / 32)] int32
-    fill_bitmask([seq.matcher for seq in seqs], bitmask)
-    pinned = bitmask.pin_memory() if device.type == "cuda" else bitmask  # a pageable copy may wait on the device
-    return allowed_tokens(pinned.to(device, non_blocking=True), V)

@@ -5,17 +5,19 @@ Per engine, a `GrammarCompiler` (from the tokenizer) compiles each request's `St
 once; per request, a `Matcher` follows the tokens generated so far. Each step, every constrained
 request's matcher fills its row of an int32 bitmask [R, ceil(V / 32)] on the CPU (bit j of word w
 allows token 32 w + j), the bitmask moves to the logits' device, and `allowed_tokens` unpacks it into the
-rows of allowed tokens the sampler applies. A step's matchers fill their rows and accept their tokens in one
-call each into xgrammar (`fill_bitmask` on its threads, `accept_tokens`), without the interpreter lock.
-xgrammar is imported at first use: `import weft` stays light.
+rows of allowed tokens the sampler applies. A step's matchers fill their rows in one call into xgrammar, on its
+threads (`fill_bitmask`), and accept their tokens on the compiler's (`accept_tokens`: xgrammar releases the
+interpreter lock while it accepts one). xgrammar is imported at first use: `import weft` stays light.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -31,6 +33,8 @@ PARAM = "structured_outputs"
 _FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 # xgrammar's errors open with "[hh:mm:ss] /project/cpp/file.cc:line: ", which says nothing to the user
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+THREADS = min(8, os.cpu_count() or 1)  # a compiler's threads for its matchers' accepts
+SPREAD_FROM = 16  # matchers from which a step's accepts are spread over them (fewer: one thread costs less)
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,7 @@ class GrammarCompiler:
             self._stop_row[token // 32] |= _bit(token % 32)
         self._cached = functools.lru_cache(maxsize=cache_size)(self._build)
         self.batch = xgrammar.BatchGrammarMatcher()  # fills many matchers' rows at once, on its own threads
+        self.threads = ThreadPoolExecutor(THREADS, thread_name_prefix="weft-grammar")
 
     def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar (cached by spec.key()); an invalid one is a ParamValueError saying why."""
@@ -138,7 +143,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputsParams) -> Matcher:
         """A matcher at the start of spec's grammar."""
-        return Matcher(self.compile(spec), self._stop_row, self.batch)
+        return Matcher(self.compile(spec), self._stop_row, self.batch, self.threads)
 
     def _build(self, key: tuple) -> xgrammar.CompiledGrammar:
         field, value = key
@@ -165,12 +170,12 @@ class Matcher:
     """One request's position in its grammar: fill() the next step's allowed tokens, accept() the sampled one."""
 
     def __init__(self, grammar: xgrammar.CompiledGrammar, stop_row: torch.Tensor,
-                 batch: xgrammar.BatchGrammarMatcher) -> None:
+                 batch: xgrammar.BatchGrammarMatcher, threads: ThreadPoolExecutor) -> None:
         import xgrammar
 
         self._matcher = xgrammar.GrammarMatcher(grammar)
         self._stop_row = stop_row  # int32 [ceil(V / 32)]: the stop tokens' bits only
-        self.batch = batch  # its compiler's
+        self.batch, self.threads = batch, threads  # its compiler's
         self._scratch = torch.empty(1, stop_row.numel(), dtype=torch.int32)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
@@ -202,13 +207,22 @@ def fill_bitmask(matchers: list[Matcher], bitmask: torch.Tensor) -> None:
 
 
 def accept_tokens(matchers: list[Matcher], tokens: list[int]) -> None:
-    """Advance matchers[i] by tokens[i] (as Matcher.accept), in one call."""
-    import xgrammar
+    """Advance matchers[i] by tokens[i] (as Matcher.accept); from SPREAD_FROM matchers on, in slices on their
+    threads. (xgrammar's batch call accepts one after another: measured on the H200's host, 64 matchers of e14's
+    JSON schema took 3.3 ms either way, where a fill of them all took 4.7 ms alone and 1.2 ms in the batch call.)"""
+    n = len(matchers)
+    if n < SPREAD_FROM:
+        for matcher, token in zip(matchers, tokens, strict=True):
+            matcher.accept(token)
+        return
+    bounds = [n * k // THREADS for k in range(THREADS + 1)]
 
-    taken = xgrammar.BatchGrammarMatcher.batch_accept_token([m._matcher for m in matchers], tokens)
-    if not all(taken):
-        token = tokens[taken.index(False)]
-        raise RuntimeError(f"token {token} does not follow the grammar here: was it sampled without the mask?")
+    def accept(k: int) -> None:
+        for i in range(bounds[k], bounds[k + 1]):
+            matchers[i].accept(tokens[i])
+
+    for _ in matchers[0].threads.map(accept, range(THREADS)):
+        pass  # a slice's exception is raised here
 
 
 def _bit(j: int) -> int:
