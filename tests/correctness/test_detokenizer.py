@@ -19,7 +19,7 @@ def test_streamed_pieces_are_the_windows_pieces():
     tok = load_tokenizer(DEFAULT_MODEL, 49152)
     rng = random.Random(0)
     streamed_any = 0
-    for _ in range(400):
+    for _ in range(200):
         # byte tokens (SmolLM2's lowest ids) split characters; 0 .. 2 are special
         common = [rng.randrange(len(tok)) for _ in range(5)] + [rng.randrange(300) for _ in range(10)] + [0, 1, 2]
         n = rng.randrange(2, 40)
@@ -32,4 +32,4 @@ def test_streamed_pieces_are_the_windows_pieces():
             assert streamed.add([token], final=False) == windowed.add([token], final=False)
         assert streamed.add([], final=True) == windowed.add([], final=True)
         assert streamed.text == windowed.text
-    assert streamed_any > 200  # most prompts end on a whole character: those stream (300 of these 400)
+    assert streamed_any > 100  # most prompts end on a whole character: those stream (150 of these 200)

@@ -141,22 +141,23 @@ def test_steps_whose_rules_need_host_tokens_overlap_with_the_same_tokens(device)
     step stays in flight) and give the tokens of the overlap off; a request whose grammar completes stops there."""
     prompt = "The capital of France is"
     greedy = dict(temperature=0.0, output_kind=RequestOutputKind.DELTA)
-    with LLM(DEFAULT_MODEL, device=device, num_blocks=256) as llm:
-        tok = llm.get_tokenizer()
-        free = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0].outputs[0]
-    word = next(w for w in free.text.split() if len(tok.encode(" " + w, add_special_tokens=False)) > 1)
     schema = {"type": "object", "required": ["name", "age"],
               "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
-    requests = [
-        ("Describe a person as JSON:", SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(
-            json=schema), **greedy)),
-        ("Is the sky blue? Answer:", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
-            choice=["yes", "no"]), **greedy)),  # complete after a token or two: it stops while the others run
-        (prompt, SamplingParams(max_tokens=24, bad_words=[word], **greedy)),
-    ]
     runs = {}
     for overlap in (False, True):
         with LLM(DEFAULT_MODEL, device=device, num_blocks=256, enable_overlap=overlap) as llm:
+            if not overlap:  # a word of several tokens that greedy would write
+                tok = llm.get_tokenizer()
+                free = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0),
+                                    use_tqdm=False)[0].outputs[0]
+                word = next(w for w in free.text.split() if len(tok.encode(" " + w, add_special_tokens=False)) > 1)
+                requests = [
+                    ("Describe a person as JSON:", SamplingParams(
+                        max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema), **greedy)),
+                    ("Is the sky blue? Answer:", SamplingParams(  # complete after a token or two: it stops first
+                        max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), **greedy)),
+                    (prompt, SamplingParams(max_tokens=24, bad_words=[word], **greedy)),
+                ]
             engine = llm.llm_engine
             for i, (text, params) in enumerate(requests):
                 engine.add_request(i, text, params)

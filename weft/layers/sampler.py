@@ -191,11 +191,13 @@ def group_top(logits: torch.Tensor, K: int, rules: LogitRules | None = None) -> 
     """logits [B, V] (any float dtype) -> each row's K largest, float32 [B, K] in descending order, and their ids
     [B, K] int64, equal values by ascending id (so ids[:, 0] is the argmax); with `rules` (penalties only: see
     LogitRules.penalties_only), those of the penalized logits, computed as each tile is read (no float32 copy of
-    [B, V]). Each group of GROUP columns hands on at most 2K candidates, its K largest among them, and one stable
-    sort of all candidates ranks them."""
+    [B, V]). Each group of GROUP columns (a narrower vocabulary: one group) hands on at most 2K candidates, its K
+    largest among them, and one stable sort of all candidates ranks them."""
     B, V = logits.shape
     assert 1 <= K <= GROUP_TOP_MAX_K and logits.stride(1) == 1
-    G, CAP = triton.cdiv(V, GROUP), 2 * K
+    chunks = min(GROUP_TOP_MAX_K, 2 * triton.next_power_of_2(K))
+    group = min(GROUP, triton.next_power_of_2(max(V, chunks)))  # a narrow vocabulary in one group of its width
+    G, CAP = triton.cdiv(V, group), 2 * K
     values = torch.empty(B, G * CAP, dtype=torch.float32, device=logits.device)
     ids = torch.empty(B, G * CAP, dtype=torch.int64, device=logits.device)
     penalize = rules is not None and rules.penalty_rows.numel() > 0
@@ -208,8 +210,7 @@ def group_top(logits: torch.Tensor, K: int, rules: LogitRules | None = None) -> 
     else:
         p = (logits, logits, logits, logits, logits, logits, logits, 0)  # never read
     _group_top_kernel[(B, G)](logits, *p[:-1], values, ids, V, K, logits.stride(0), p[-1], values.stride(0),
-                              GROUP=GROUP, CHUNKS=min(GROUP_TOP_MAX_K, 2 * triton.next_power_of_2(K)),
-                              CAP_P2=triton.next_power_of_2(CAP),
+                              GROUP=group, CHUNKS=chunks, CAP_P2=triton.next_power_of_2(CAP),
                               PENALIZE=penalize, enable_fp_fusion=False, num_warps=8)
     top, at = values.sort(dim=-1, descending=True, stable=True)
     return top[:, :K], ids.gather(1, at[:, :K])
