@@ -38,13 +38,23 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per prompt, at most")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="the gate's cases with deterministic=True, then the determinism gate (weft.determinism)")
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """The gate, here. torch and the engine are imported only now, so that --help answers at once."""
     import torch
 
-    from weft.conformance import TOP, conformance_prompts, hf_greedy, report_lines, run_case, standard_cases
+    from weft.conformance import (
+        TOP,
+        conformance_prompts,
+        deterministic_cases,
+        hf_greedy,
+        report_lines,
+        run_case,
+        standard_cases,
+    )
     from weft.inference.config import EngineConfig
     from weft.models.loader import DEFAULT_MODEL, reference_model, resolve_model
 
@@ -76,7 +86,7 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     expected, expected_top = reference(prompts)
     failed = 0
-    cases = standard_cases(device)
+    cases = deterministic_cases(device) if args.deterministic else standard_cases(device)
     for n, case in enumerate(cases, 1):
         print(f"[{case.label}] case {n} of {len(cases)}: serving {len(prompts)} prompts...", flush=True)
         result = run_case(
@@ -90,7 +100,30 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         failed += not result.ok
     verdict = "all OK" if not failed else f"{failed} of {len(cases)} cases FAILED"
     print(f"{verdict} ({len(cases)} cases x {len(prompts)} prompts, {time.perf_counter() - started:.0f} s)")
+    if args.deterministic:
+        failed += _determinism_gate(model, source.config, config, args.max_tokens)
     return 1 if failed else 0
+
+
+def _determinism_gate(model: str, shape, config, max_tokens: int) -> int:
+    """weft.determinism's gate on GATE_PROMPTS prompts -> the number of scenarios that failed (each printed)."""
+    from weft.determinism import GATE_LENGTHS, GATE_PROMPTS, determinism_prompts, run_gate
+
+    longest = min(GATE_LENGTHS[1], shape.max_model_len - max_tokens)
+    prompts = determinism_prompts(shape.V, GATE_PROMPTS, (min(GATE_LENGTHS[0], longest), longest))
+    options = dict(dtype=config.dtype, device=config.device, deterministic=True,
+                   attention="triton" if config.device.type == "cuda" else "paged")
+    print(f"determinism gate: {len(prompts)} prompts of {GATE_LENGTHS[0]}-{longest} tokens, half greedy, half "
+          f"seeded, {max_tokens} tokens each, alone and then...", flush=True)
+
+    def report(r) -> None:
+        verdict = "OK" if r.ok else f"FAIL ({r.first_difference})"
+        print(f"[{r.label}] {r.identical} of {r.total} bitwise identical to alone, {r.preemptions} preemptions: "
+              f"{verdict}", flush=True)
+
+    failed = sum(not r.ok for r in run_gate(model, options, prompts, max_tokens, report=report))
+    print("determinism: all OK" if not failed else f"determinism: {failed} scenarios FAILED")
+    return failed
 
 
 def engine_fields() -> list[dataclasses.Field]:

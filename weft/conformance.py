@@ -8,7 +8,7 @@ Used by main.py and tests/correctness alike.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -56,12 +56,14 @@ class Case:
     second_turn: bool = False  # then the same prompts again (wholly cached) and each extended by its answer
     overlap: bool = True  # enable_overlap: each step queued before the one before it lands
     fused_layers: bool = True  # enable_fused_layers: the layers' Triton kernels where they run (CUDA)
+    deterministic: bool = False  # EngineConfig.deterministic: the batch-invariant kernels
 
     @property
     def label(self) -> str:
         flags = (("midflight", self.midflight), ("small-pool", self.pool == "small"),
                  (f"chunks-of-{self.budget}", self.budget is not None), ("second-turn", self.second_turn),
-                 ("no-overlap", not self.overlap), ("no-fused-layers", not self.fused_layers))
+                 ("no-overlap", not self.overlap), ("no-fused-layers", not self.fused_layers),
+                 ("deterministic", self.deterministic))
         return "/".join([self.attention, self.scheduler, *(name for name, on in flags if on)])
 
 
@@ -125,6 +127,14 @@ def standard_cases(device: torch.device | str) -> list[Case]:
                       Case(a, "continuous", pool="small", budget=CHUNK), Case(a, "continuous", budget=1),
                       Case(a, "continuous", second_turn=True)]
     return cases
+
+
+def deterministic_cases(device: torch.device | str) -> list[Case]:
+    """standard_cases with deterministic=True, those whose kernels can keep its promise (on CUDA: triton, with the
+    fused layers)."""
+    cuda = torch.device(device).type == "cuda"
+    return [replace(c, deterministic=True) for c in standard_cases(device)
+            if not cuda or (c.attention == "triton" and c.fused_layers)]
 
 
 def second_turn(prompts: list[list[int]], answers: list[list[int]]) -> list[list[int]]:
@@ -220,6 +230,7 @@ def run_case(
         max_num_batched_tokens=case.budget,
         enable_overlap=case.overlap,
         enable_fused_layers=case.fused_layers,
+        deterministic=case.deterministic,
         dtype=dtype,
         device=device,
     ) as llm:

@@ -107,6 +107,7 @@ TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns
                                       "ttft_p50_s"]),
     "e15_kernel": (["model", "B", "top_k", "num_experts", "experts_touched"],
                    ["time_s", "with_grouping_s", "bytes", "gbps", "pct_of_copy"]),
+    "e16": (["workload_kind", "config"], ["output_tok_s", "itl_p50_s", "ttft_p50_s", "makespan_s", *FLOOR]),
 }
 COMPARED = ["output_tok_s", "makespan_s", "ttft_p50_s", "itl_p50_s", "gbps", "time_s"]
 
@@ -338,10 +339,24 @@ def kernel_notes(df: pd.DataFrame) -> list[str]:
             " and down), the tokens in and each pair's output out; % of copy: their rate over the copy bandwidth."]
 
 
+def determinism_notes(df: pd.DataFrame) -> list[str]:
+    """e16: deterministic over default, output tok/s on e8's workload and ITL p50 alone (the same run)."""
+    notes = []
+    for kind, metric, name, scale, unit in (("e8", "output_tok_s", "output tok/s", 1, ""),
+                                            ("b1", "itl_p50_s", "ITL p50", 1e3, " ms")):
+        rows = df[df["workload_kind"] == kind]
+        on, off = rows[rows["deterministic"] == True], rows[rows["deterministic"] == False]  # noqa: E712 (a column)
+        if len(on) == len(off) == 1:
+            a, b = on[metric].iloc[0], off[metric].iloc[0]
+            notes.append(f"{kind}, {name}, deterministic ÷ default: {a * scale:,.{3 if scale > 1 else 0}f} ÷ "
+                         f"{b * scale:,.{3 if scale > 1 else 0}f}{unit} = {a / b:.2f}×.")
+    return notes
+
+
 NOTES: dict[str, Callable[[pd.DataFrame], list[str]]] = {
     "e2": batch_sweep_notes, "e4": clock_notes, "e9": serving_notes, "e11": prefix_cache_notes,
     "e12": ablation_notes, "e13": profile_notes, "e14": sampling_notes, "e15": batch_sweep_notes,
-    "e15_e8": peer_notes, "e15_itl": family_notes, "e15_kernel": kernel_notes,
+    "e15_e8": peer_notes, "e15_itl": family_notes, "e15_kernel": kernel_notes, "e16": determinism_notes,
 }
 
 

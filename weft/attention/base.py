@@ -78,6 +78,7 @@ class AttentionBackend(ABC, Generic[StepT]):
     cuda_graphs: ClassVar[bool] = False  # decode steps can be captured (weft.inference.cuda_graphs)
     max_decodes: ClassVar[int | None] = None  # most decodes one step can hold, if bounded
     row_per_request: ClassVar[bool] = False  # a block is a request's whole row of max_model_len slots
+    batch_invariant: bool = False  # EngineConfig.deterministic: a query's sums must not follow its batch
 
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device

@@ -35,4 +35,4 @@ class ContiguousBackend(AttentionBackend[PaddedStep]):
         rows, end = meta.block_tables[:, 0].long(), meta.max_context_len
         k = self.kv_cache[0, layer, :, :, :end][rows]  # [B, H_kv, S, D]
         v = self.kv_cache[1, layer, :, :, :end][rows]
-        return attend_padded(q, k, v, step, self.scale, out, layer in self.cfg.window_layers)
+        return attend_padded(q, k, v, step, self.scale, out, layer in self.cfg.window_layers, self.batch_invariant)

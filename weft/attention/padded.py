@@ -2,6 +2,12 @@
 
 Both read each request's keys into a padded [B, H_kv, S, D] tensor (by slicing rows or by
 gathering blocks); this module pads the ragged queries to match, masks, and unpads.
+
+SDPA's kernels pick their blocking from the padded shape, so a query's sums follow its batch. Batch-invariant
+(EngineConfig.deterministic), `attend_invariant` computes the same attention with every product in matmuls of
+one fixed shape (ROWS queries by KEY_TILE keys; linear.py's reason), folding each query's keys a tile at a time
+from position 0 by an online softmax: tiles past a query's keys add exact zeros, so its bits are the same
+whatever the batch, the padding, or the chunk it came in.
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from weft.attention.base import AttentionMetadata
+from weft.layers.linear import ROWS
+
+KEY_TILE = 64  # keys per step of attend_invariant's online softmax
 
 
 @dataclass
@@ -46,17 +55,52 @@ def plan_padded(meta: AttentionMetadata, window: int | None = None) -> PaddedSte
 
 def attend_padded(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PaddedStep, scale: float, out: torch.Tensor | None,
-    windowed: bool = False,
+    windowed: bool = False, invariant: bool = False,
 ) -> torch.Tensor:
     """q [T_total, H_q, D], k/v [B, H_kv, S, D] -> o [T_total, H_q, D] (copied into `out` if given); `windowed`:
-    within the sliding window (step.window_mask)."""
+    within the sliding window (step.window_mask); `invariant`: by `attend_invariant`."""
     meta = step.meta
     B, T_max = meta.num_requests, meta.max_query_len
-    q_pad = q.new_zeros(B, T_max, *q.shape[1:])
+    mask = step.window_mask if windowed else step.mask
+    T_pad = -(-T_max // ROWS) * ROWS if invariant else T_max
+    q_pad = q.new_zeros(B, T_pad, *q.shape[1:])
     q_pad[step.token_request, step.token_index] = q
-    o = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), k, v, attn_mask=step.window_mask if windowed else step.mask, scale=scale,
-        enable_gqa=True,
-    )  # [B, H_q, T_max, D]
-    o = o.transpose(1, 2)[step.token_request, step.token_index]
+    if invariant:
+        o = attend_invariant(q_pad.transpose(1, 2), k, v, F.pad(mask, (0, 0, 0, T_pad - T_max)), scale)
+    else:
+        o = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    o = o.transpose(1, 2)[step.token_request, step.token_index]  # from [B, H_q, T_pad, D]
     return o if out is None else out.copy_(o)
+
+
+def attend_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+                     ) -> torch.Tensor:
+    """q [B, H_q, T, D] (T a multiple of ROWS), k/v [B, H_kv, S, D], mask [B, 1, T, S] -> o [B, H_q, T, D] (rows
+    that see no key: NaN), each query's sums in the same order whatever B, T, S and its row."""
+    B, H_q, T, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    G, blocks = H_q // H_kv, T // ROWS
+    S_pad = -(-S // KEY_TILE) * KEY_TILE
+    k, v = (F.pad(x, (0, 0, 0, S_pad - S)) for x in (k, v))
+    mask = F.pad(mask, (0, S_pad - S)).view(B, 1, 1, blocks, ROWS, S_pad)
+    q = q.reshape(B, H_kv, G, blocks, ROWS, D)
+    m = q.new_full((B, H_kv, G, blocks, ROWS, 1), -1e30, dtype=torch.float32)  # finite: no -inf - -inf
+    row_sum = torch.zeros_like(m)
+    acc = q.new_zeros((B, H_kv, G, blocks, ROWS, D), dtype=torch.float32)
+    X = B * H_q * blocks  # the fixed-shape matmuls per tile
+
+    def tiles(x: torch.Tensor) -> torch.Tensor:  # [B, H_kv, S_pad, D] -> [X, KEY_TILE, D] of one tile, per block
+        return x[:, :, None, None].expand(B, H_kv, G, blocks, KEY_TILE, D).reshape(X, KEY_TILE, D)
+
+    for start in range(0, S_pad, KEY_TILE):
+        end = start + KEY_TILE
+        s = torch.bmm(q.reshape(X, ROWS, D), tiles(k[:, :, start:end]).transpose(1, 2)).float()
+        s = (s.view(B, H_kv, G, blocks, ROWS, KEY_TILE) * scale).masked_fill(~mask[..., start:end], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new)
+        row_sum = row_sum * alpha + p.sum(-1, keepdim=True)
+        pv = torch.bmm(p.to(v.dtype).view(X, ROWS, KEY_TILE), tiles(v[:, :, start:end])).float()
+        acc = acc * alpha + pv.view(acc.shape)
+        m = m_new
+    return (acc / row_sum).to(q.dtype).view(B, H_q, T, D)

@@ -52,5 +52,5 @@ class PagedBackend(PagedSlab[PaddedStep]):
         table = meta.block_tables[:, : -(-S // P)].long()  # [B, ceil(S / P)]
         k = self.kv_cache[0, layer][table].flatten(1, 2)[:, :S].transpose(1, 2)  # [B, H_kv, S, D]
         v = self.kv_cache[1, layer][table].flatten(1, 2)[:, :S].transpose(1, 2)
-        return attend_padded(q, k, v, step, self.scale, out, layer in self.cfg.window_layers)
+        return attend_padded(q, k, v, step, self.scale, out, layer in self.cfg.window_layers, self.batch_invariant)
 

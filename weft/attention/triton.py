@@ -5,6 +5,13 @@ kernel per layer (slots < 0 skipped). Reads follow the block table inside the ke
 gathered into a padded copy: a step's decodes (one new token each) run split-KV flash-decoding, its
 other requests a causal flash-attention kernel over the cache; a mixed step launches both, each on its
 own requests. In a model's sliding-window layers both read only the window's keys.
+
+Batch-invariant (EngineConfig.deterministic), every request goes to the flash-attention kernel, decodes as
+requests of one new token: its programs fold a query's keys in tiles of the same BLOCK_N from position 0, in
+order, one query row's sums never touching another's; whole-tile and diagonal tiles differ only in a mask of
+what the row sees, and tiles past the row add exact zeros. So a token's output is the same bits whether it
+is decoded, prefilled whole or in a chunk of any size, or follows a cached prefix. The split decode kernel's
+split count follows the batch, so it is not used there.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ class TritonBackend(PagedSlab[TritonStep]):
 
     def plan(self, meta: AttentionMetadata) -> TritonStep:
         splits = None
-        if meta.num_decodes:
+        if meta.num_decodes and not self.batch_invariant:
             cfg = self.cfg
             cache = self.kv_cache
             splits = DecodeSplits.plan(
@@ -66,12 +73,13 @@ class TritonBackend(PagedSlab[TritonStep]):
         # pointers (and Triton's specializations on their alignment) stay the same every step.
         table, ctx = meta.block_tables, meta.context_lens
         window = self.cfg.sliding_window if layer in self.cfg.window_layers else None
-        if meta.num_decodes:
+        decodes = 0 if step.splits is None else meta.num_decodes
+        if decodes:
             decode_attention(q, k_cache, v_cache, table, ctx, self.scale, step.splits, out, window)
-        if meta.num_decodes < meta.num_requests:
+        if decodes < meta.num_requests:
             prefill_attention(
                 q, k_cache, v_cache, table, meta.query_start_loc, ctx, meta.max_query_len, self.scale, out,
-                first_request=meta.num_decodes, window=window,
+                first_request=decodes, window=window,
             )
         return out
 

@@ -238,6 +238,17 @@ def e9(df: pd.DataFrame) -> Figure:
     return fig
 
 
+def e16(df: pd.DataFrame) -> Figure:
+    """What deterministic=True costs: e8's output tok/s, and one request's ITL, each config beside the other."""
+    fig, (tok, itl) = _figure(2)
+    df = _with_ms(df)
+    _bars(tok, df[df["workload_kind"] == "e8"], *THROUGHPUT)
+    tok.set_title("e8's workload")
+    _bars(itl, df[df["workload_kind"] == "b1"], *ITL)
+    itl.set_title("one request alone")
+    return fig
+
+
 CHARTS: dict[str, Callable[[pd.DataFrame], Figure]] = {
     "e1": e1,
     "e2": e2,
@@ -249,6 +260,7 @@ CHARTS: dict[str, Callable[[pd.DataFrame], Figure]] = {
     "e8": _stream,
     "e9": e9,
     "e11": e11,
+    "e16": e16,
 }
 
 

@@ -35,6 +35,7 @@ EXPERIMENTS = {
     "e15_e8": "model families: a mixture of experts on the standard workload, beside HF generate_batch",
     "e15_itl": "model families: batch-1 ITL over the weights floor per step",
     "e15_kernel": "model families: the fused MoE kernels' bandwidth, one layer",
+    "e16": "deterministic=True: its batch-invariant kernels' cost on the standard workload and one request alone",
 }
 IDENTITY = ("experiment", "gpu", "git_sha")  # what every record must say about itself
 # e9's latency fields (ms, as vLLM's `bench serve` names them) <- the same of weft's serving metrics (s)

@@ -104,7 +104,8 @@ class BenchConfig:
         parts = (("chunked prefill", off("enable_chunked_prefill")), (graphs, graphs is not None),
                  ("prefix cache", off("enable_prefix_caching")), ("overlap", off("enable_overlap")),
                  ("fused layers", off("enable_fused_layers")))
-        sampled = "" if self.sampling == "greedy" else f", {self.sampling}"
+        sampled = ", deterministic" if self.options.get("deterministic") else ""
+        sampled += "" if self.sampling == "greedy" else f", {self.sampling}"
         return f"{self.setting('scheduler')}×{self.setting('attention')}" + "".join(
             f", no {name}" for name, is_off in parts if is_off) + sampled
 
@@ -200,6 +201,7 @@ class WeftDriver:
             "chunked_prefill": c.enable_chunked_prefill,
             "overlap": c.enable_overlap,
             "fused_layers": c.enable_fused_layers,
+            "deterministic": c.deterministic,
         }
 
     def close(self) -> None:

@@ -50,6 +50,8 @@ class EngineConfig:
     enable_fused_layers: bool = True  # CUDA: norms, RoPE (+ K/V store), SiLU x up as Triton kernels; else PyTorch's
     tensor_parallel_size: int = 1  # ranks that each hold a slice of the model (processes; GPUs on CUDA)
     max_logprobs: int = 20  # the most alternatives a request's logprobs or prompt_logprobs may ask for (vLLM's)
+    # batch-invariant kernels: a request's tokens and logprobs the same bits whatever runs beside it (DETERMINISM)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -73,7 +75,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
         set_(self, "gpu_memory_utilization", fraction)
         for name in ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching", "enable_overlap",
-                     "enable_fused_layers"):
+                     "enable_fused_layers", "deterministic"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (value is None and name in ("enable_prefix_caching",
                                                                                 "enable_overlap")):
@@ -100,6 +102,8 @@ class EngineConfig:
         if tp > 1 and not isinstance(self.model, str | os.PathLike):
             raise ValueError(f"tensor_parallel_size={tp} needs a model by name or directory, which every rank loads "
                              "its slice of; an in-memory model stays in this process")
+        if self.deterministic:
+            check_deterministic(self)
         most = self.backend.max_decodes
         if most is not None and self.max_num_seqs > most:
             raise ValueError(
@@ -124,10 +128,35 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len > context:
             raise ValueError(f"max_model_len={self.max_model_len} is above the model's context of {context} tokens")
         self.backend.check_model(model)
+        if self.deterministic and model.moe is not None:
+            raise ValueError("deterministic=True: the mixture-of-experts kernel groups a step's tokens by expert, so a "
+                             "token's sums follow its batch; no batch-invariant MoE kernel yet")
         check_tensor_parallel(self.tensor_parallel_size, model)
         max_model_len = self.max_model_len or context
         budget = self.max_num_batched_tokens or (CHUNKED_BUDGET if self.enable_chunked_prefill else max_model_len)
         return replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget)
+
+
+# What deterministic=True promises, and where it holds.
+DETERMINISM = (
+    "for one model, dtype, engine configuration and seed, a request's tokens and logprobs are the same bits "
+    "whether it runs alone or beside others, its prompt computed whole, in chunks or read from the prefix cache, "
+    "before or after a preemption, with the overlap on or off"
+)
+
+
+def check_deterministic(config: EngineConfig) -> None:
+    """ValueError for a deterministic config whose kernels could not keep its promise (DETERMINISM)."""
+    if config.tensor_parallel_size > 1:
+        raise ValueError("deterministic=True needs tensor_parallel_size=1: the ranks' all-reduce sums in an order of "
+                         "its own")
+    if config.device.type == "cuda":
+        if config.attention != "triton":
+            raise ValueError(f"deterministic=True on CUDA needs attention='triton', whose kernels fold every query's "
+                             f"keys in one fixed order; {config.attention!r} runs PyTorch's SDPA")
+        if not config.enable_fused_layers:
+            raise ValueError("deterministic=True on CUDA needs enable_fused_layers=True: the fused norms reduce each "
+                             "row in one program, PyTorch's reductions split rows as the batch allows")
 
 
 def check_names(attention: object, scheduler: object, cudagraph_mode: object) -> None:

@@ -25,6 +25,7 @@ from weft.inference.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from weft.inference.pool import PoolPlan, plan_pool
 from weft.inference.runner import ModelRunner
 from weft.inference.sampling import SamplingState
+from weft.layers import linear
 from weft.models import build_model
 from weft.models.llama import LlamaForCausalLM
 from weft.models.loader import ModelSource, resolve_model
@@ -104,6 +105,8 @@ def _load_slice(config: EngineConfig, source: ModelSource, tp: TensorParallel, d
     model = build_model(source.config, config.torch_dtype, device, tp)
     source.load_into(model)
     model.use_kernels(config.enable_fused_layers)
+    model.use_batch_invariant(config.deterministic)
+    linear.prepare(device)
     return model
 
 
@@ -112,6 +115,7 @@ def _runner(config: EngineConfig, local: ModelConfig, model: LlamaForCausalLM, p
     """The runner over this rank's pool and, on CUDA, its graphs (decode graphs where the backend's attention can
     be captured)."""
     attn = config.backend(local, pool.num_blocks, pool.block_size, config.torch_dtype, device)
+    attn.batch_invariant = config.deterministic
     mode = config.cudagraph_mode if device.type == "cuda" else "NONE"
     graphs = pieces = None
     if mode.startswith("FULL") and attn.cuda_graphs:

@@ -8,6 +8,7 @@ from torch import nn
 
 from weft.distributed import TensorParallel
 from weft.layers import fused
+from weft.layers.linear import Linear
 from weft.layers.parallel import RowParallelLinear
 
 
@@ -15,7 +16,7 @@ class SwiGLU(nn.Module):
     def __init__(self, E: int, intermediate: int, bias: bool, tp: TensorParallel) -> None:
         """`intermediate`: this rank's MLP columns."""
         super().__init__()
-        self.gate_up_proj = nn.Linear(E, 2 * intermediate, bias=bias)
+        self.gate_up_proj = Linear(E, 2 * intermediate, bias=bias)
         self.down_proj = RowParallelLinear(intermediate, E, bias, tp)
         self.kernels = True  # fused.py's SiLU x up where it runs (False: PyTorch's ops everywhere)
 

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.distributed import TensorParallel
+from weft.layers.linear import Linear
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A linear layer holding `in_features` of the input's columns: each rank's partial product summed by one
     all-reduce, the bias (whole on every rank) added once after it."""
 

@@ -21,6 +21,7 @@ from weft.attention.base import CacheSlots
 from weft.config import ModelConfig
 from weft.distributed import SINGLE, TensorParallel
 from weft.layers import fused
+from weft.layers.linear import Linear
 from weft.layers.mlp import SwiGLU
 from weft.layers.moe import SparseMoE
 from weft.layers.norm import RMSNorm
@@ -50,7 +51,7 @@ class LlamaAttention(nn.Module):
         """`cfg`: this rank's slice (its H_q and H_kv heads)."""
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.qkv_proj = nn.Linear(cfg.E, (cfg.H_q + 2 * cfg.H_kv) * cfg.D, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.E, (cfg.H_q + 2 * cfg.H_kv) * cfg.D, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.H_q * cfg.D, cfg.E, cfg.o_bias, tp)
         self.kernels = True  # RoPE (with the K/V store) in fused.py's kernel where it runs
 
@@ -125,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg, self.tp, local = cfg, tp, tp.local(cfg)
         self.model = DecoderModel(local, self.attention_cls, tp)
-        self.lm_head = nn.Linear(local.E, local.V, bias=False)
+        self.lm_head = Linear(local.E, local.V, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -141,6 +142,12 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm | SwiGLU | LlamaAttention):  # the experts have no PyTorch path fit to serve
                 module.kernels = on
+
+    def use_batch_invariant(self, on: bool) -> None:
+        """Whether every linear layer runs weft.layers.linear's batch-invariant matmul (EngineConfig.deterministic)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.batch_invariant = on
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, E] -> logits [B, V] in the activations' dtype (every rank's vocabulary rows), as HF's

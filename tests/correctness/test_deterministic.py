@@ -1,0 +1,80 @@
+"""deterministic=True (issue 33): a request's tokens and logprobs are the same bits alone and inside every
+configuration weft.determinism runs (together, arriving a step apart, in a crowd, from the prefix cache, in odd
+chunks, preempted, without the overlap); without it they are not (the negative controls), so the gate can fail."""
+
+import pytest
+
+from weft import LLM
+from weft.conformance import deterministic_cases, hf_greedy, run_case
+from weft.determinism import determinism_prompts, run_gate
+from weft.models.loader import resolve_model
+
+pytestmark = pytest.mark.correctness
+
+CPU_PROMPTS, CPU_LENGTHS, CPU_CROWD, TOKENS = 16, (5, 200), 64, 8
+
+
+def gate(model, options, count, lengths, max_tokens, crowd):
+    prompts = determinism_prompts(resolve_model(model).config.V, count, lengths)
+    return run_gate(model, options, prompts, max_tokens, crowd)
+
+
+@pytest.mark.parametrize(("attention", "dtype"), [("paged", "bfloat16"), ("contiguous", "float32")])
+def test_every_request_keeps_its_bits_on_the_cpu(attention, dtype):
+    results = gate("tiny-qwen3", dict(attention=attention, dtype=dtype, device="cpu", deterministic=True),
+                   CPU_PROMPTS, CPU_LENGTHS, TOKENS, CPU_CROWD)
+    assert [(r.label, r.identical, r.first_difference) for r in results] == [
+        (r.label, CPU_PROMPTS, None) for r in results]
+    assert results[-1].preemptions > 0 or attention == "contiguous"  # the small pool preempted (a row never does)
+
+
+def test_without_it_requests_differ_on_the_cpu():
+    results = gate("tiny-qwen3", dict(attention="paged", dtype="bfloat16", device="cpu"), CPU_PROMPTS, CPU_LENGTHS,
+                   TOKENS, CPU_CROWD)
+    together = results[0]
+    assert together.label == "together" and together.identical < CPU_PROMPTS, together
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default-negative-control"])
+def test_the_gate_on_the_gpu(deterministic):
+    """Issue 33's measurement: 48 prompts of 50-700 tokens, Qwen3-0.6B's shape in bf16, continuous x triton."""
+    results = gate("qwen3-0.6b", dict(attention="triton", dtype="bfloat16", deterministic=deterministic,
+                                      max_model_len=4096), 48, (50, 700), 32, 256)
+    for r in results:
+        print(r)
+    if deterministic:
+        assert all(r.ok for r in results), [r for r in results if not r.ok]
+    else:
+        assert results[0].identical < 48, results[0]
+
+
+def test_float32_deterministic_still_matches_hf(reference, device):
+    """The HF token-exact gate's cases with deterministic=True (`weft check --deterministic` runs them all): in
+    chunks, from a small pool, a second turn from the cache."""
+    ref = reference("tiny-qwen3")
+    cases = [c for c in deterministic_cases(device) if c.attention != "contiguous" and c.scheduler == "continuous"
+             and (c.budget or c.second_turn or c.pool == "small")]
+    assert cases
+    for case in cases:
+        result = run_case("tiny-qwen3", case, ref.prompts, ref.expected, ref.max_tokens, "float32", device,
+                          ignore_eos=ref.ignore_eos,
+                          reference=lambda ps: hf_greedy(ref.hf_model, ps, ref.max_tokens, ref.ignore_eos))
+        assert result.ok, (case.label, [p for p in result.prompts if not p.ok], result.problems)
+
+
+def test_what_cannot_keep_the_promise_is_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        LLM("tiny-qwen3", deterministic=True, tensor_parallel_size=2, device="cpu")
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        LLM("tiny-qwen3-moe", deterministic=True, device="cpu")
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        LLM("tiny-qwen3", deterministic="yes", device="cpu")
+
+
+@pytest.mark.gpu
+def test_on_cuda_only_the_triton_kernels_with_fused_layers_qualify():
+    with pytest.raises(ValueError, match="attention='triton'"):
+        LLM("tiny-qwen3", deterministic=True, attention="paged", device="cuda")
+    with pytest.raises(ValueError, match="enable_fused_layers=True"):
+        LLM("tiny-qwen3", deterministic=True, attention="triton", enable_fused_layers=False, device="cuda")

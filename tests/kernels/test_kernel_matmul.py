@@ -1,0 +1,92 @@
+"""The batch-invariant matmul (weft/layers/linear.py) against float64, and its promise: a row's bits do not depend
+on how many rows share the launch, where among them it sits, or which grid ran it; the same of the CPU's
+row-block path and of the batch-invariant attention (weft/attention/padded.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from weft.attention.padded import attend_invariant
+from weft.layers.linear import BLOCK_K, batch_invariant_linear, matmul_kernel, plan, split_grid
+
+pytestmark = pytest.mark.kernels
+
+CPU_DTYPES = [torch.float32]  # the interpreter computes bfloat16 wrongly
+GPU_DTYPES = [pytest.param(d, marks=pytest.mark.gpu) for d in (torch.float32, torch.bfloat16, torch.float16)]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative to each row's scale
+# (N, K): K past a chunk's end, chunks of several BLOCK_K steps, and one chunk; on the GPU Qwen3-0.6B's four
+SHAPES = [(96, 1000), (130, 300), (64, 2 * BLOCK_K)]
+GPU_SHAPES = [pytest.param(s, marks=pytest.mark.gpu) for s in ((4096, 1024), (1024, 2048), (6144, 1024),
+                                                              (1024, 3072))]
+# (offset, rows) slices of the full batch: one row, a few from mid-tile, more than a tile, all of it
+SLICES = [(5, 1), (3, 7), (11, 70), (0, 140)]
+
+
+def operands(N: int, K: int, dtype: torch.dtype, device, bias: bool, M: int = 140):
+    g = torch.Generator().manual_seed(N * K)
+    x = torch.randn(M, K, generator=g).to(dtype).to(device)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype).to(device)
+    b = torch.randn(N, generator=g).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES + GPU_SHAPES)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_matches_float64_and_every_row_keeps_its_bits(device, dtype, shape, bias):
+    N, K = shape
+    x, w, b = operands(N, K, dtype, device, bias)
+    full = matmul_kernel(x, w, b, split=False)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-3)
+    assert ((full.double() - want) / scale).abs().max() <= TOL[dtype]
+    for offset, M in SLICES:
+        for split in (False, True):
+            got = matmul_kernel(x[offset : offset + M].contiguous(), w, b, split=split)
+            assert torch.equal(got, full[offset : offset + M]), (offset, M, split)
+
+
+def test_the_plan_depends_on_n_and_k_alone_and_splits_only_where_a_tile_is_short_of_work():
+    assert plan(1024, 2048).splits > plan(6144, 1024).splits > plan(151936, 1024).splits == 1
+    assert all(plan(1024, 3072).chunk_k % BLOCK_K == 0 for _ in range(2))
+    p = plan(1024, 3072)
+    assert p.splits * p.chunk_k >= 3072 > (p.splits - 1) * p.chunk_k  # every chunk holds some of K
+    assert split_grid(1, 1024, 2048) and not split_grid(4096, 1024, 2048)  # a decode splits, a prefill does not
+    assert not split_grid(1, 151936, 1024)  # one chunk: nothing to split
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_row_blocks_keep_every_rows_bits(dtype):
+    x, w, b = operands(200, 576, dtype, "cpu", True, M=300)
+    full = batch_invariant_linear(x, w, b)
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert torch.allclose(full.double(), F.linear(x.double(), w.double(), b.double()), atol=tol)
+    for offset, M in SLICES + [(1, 299)]:
+        assert torch.equal(batch_invariant_linear(x[offset : offset + M], w, b), full[offset : offset + M])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_attention_matches_sdpa_and_keeps_each_querys_bits(dtype):
+    """One request's 40 queries over its 40 keys, and then its 25th query alone (a decode, 25 keys) beside another
+    request of 150: the query's output is the same bits, and matches SDPA's."""
+    g = torch.Generator().manual_seed(0)
+    H_q, H_kv, D, S = 4, 2, 32, 40
+    q = torch.randn(1, H_q, 48, D, generator=g).to(dtype)  # 48: three blocks of 16 rows, the last 8 padding
+    k, v = (torch.randn(1, H_kv, S, D, generator=g).to(dtype) for _ in range(2))
+    causal = torch.ones(48, S, dtype=torch.bool).tril()[None, None]
+    whole = attend_invariant(q, k, v, causal, 0.2)
+    want = F.scaled_dot_product_attention(q[:, :, :S].double(), k.double(), v.double(), is_causal=True, scale=0.2,
+                                          enable_gqa=True)
+    assert torch.allclose(whole[:, :, :S].double(), want, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    # the decode: request 0 is another of 150 keys; request 1's query 24 sees its first 25 keys, in row 0 of 16
+    other_k, other_v = (torch.randn(1, H_kv, 150, D, generator=g).to(dtype) for _ in range(2))
+    ks = torch.cat([other_k, F.pad(k[:, :, :25], (0, 0, 0, 125))])
+    vs = torch.cat([other_v, F.pad(v[:, :, :25], (0, 0, 0, 125))])
+    qs = torch.cat([torch.randn(1, H_q, 16, D, generator=g).to(dtype), F.pad(q[:, :, 24:25], (0, 0, 0, 15))])
+    mask = torch.zeros(2, 1, 16, 150, dtype=torch.bool)
+    mask[0, :, :, :] = True
+    mask[1, :, 0, :25] = True
+    decode = attend_invariant(qs, ks, vs, mask, 0.2)
+    assert torch.equal(decode[1, :, 0], whole[0, :, 24])

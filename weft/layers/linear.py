@@ -1,0 +1,178 @@
+"""Linear layers, and the batch-invariant matmul that EngineConfig.deterministic runs them through.
+
+A row's product must not depend on the other rows beside it. cuBLAS (and the CPU's BLAS) pick their
+kernel from the whole shape, M included, and a split of K from it too, so a request's activations
+change in the last bits with the batch it shares (issue 33: 11 of 48 requests alike alone and
+batched). `batch_invariant_linear` fixes every choice that touches a row's sums from (N, K) alone:
+
+- On CUDA, one Triton kernel. Each output element's dot product runs over K in `splits` chunks of
+  `chunk_k` (both from N and K: `plan`), each chunk summed from 0 in BLOCK_K steps of the same
+  tile shape (BLOCK_M x BLOCK_N x BLOCK_K, num_warps: the same MMA instructions whatever M is),
+  then the chunks' sums added in order: ((0 + c_0) + c_1) + ... Only the grid depends on M: few
+  rows (a decode) run one program per chunk, whose float32 partials the last one to finish adds up
+  in that order; many rows run one program per tile, which adds its chunks as it goes. Both add the
+  same numbers in the same order, so they agree bit for bit (tests/kernels/test_kernel_matmul.py).
+- Elsewhere, PyTorch's matmul over fixed blocks of ROWS rows (padded with zeros): every block is
+  the same shape, so the BLAS runs the same kernel on each.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 64, 64, 128, 4
+PROGRAMS = 256  # the programs a one-tile decode should spread over (about two per SM on an H200's 132)
+COUNTERS = 4096  # arrival counters per device: the most tiles a split launch may have
+ROWS = 16  # the CPU's row block
+
+
+class Linear(nn.Linear):
+    """nn.Linear, or with `batch_invariant` set (EngineConfig.deterministic) `batch_invariant_linear`."""
+
+    batch_invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] -> [T, out_features]"""
+        if self.batch_invariant:
+            return batch_invariant_linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """How the dot products of an [N, K] weight are summed: `splits` chunks of `chunk_k` (a multiple of BLOCK_K)."""
+
+    splits: int
+    chunk_k: int
+
+
+@functools.cache
+def plan(N: int, K: int) -> MatmulPlan:
+    """The chunks of K for an [N, K] weight: enough that a one-tile decode's N / BLOCK_N tiles times the chunks
+    reach PROGRAMS, each chunk at least two BLOCK_K steps. Depends on N and K only, never on M."""
+    tiles = triton.cdiv(N, BLOCK_N)
+    steps = triton.cdiv(K, BLOCK_K)
+    want = max(1, min(PROGRAMS // tiles, steps // 2))
+    chunk_k = triton.cdiv(steps, want) * BLOCK_K
+    return MatmulPlan(triton.cdiv(K, chunk_k), chunk_k)
+
+
+@triton.jit
+def _chunk(x_ptr, w_ptr, rows, cols, start, K, stride_xm, stride_wn, CHUNK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[rows, start : start + CHUNK_K] @ w[cols, same]^T [BLOCK_M, BLOCK_N] in float32, summed from 0 a BLOCK_K at a
+    time (columns at or past K read as 0)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(start, start + CHUNK_K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None], mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _matmul_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    SPLITS: tl.constexpr, CHUNK_K: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Rows and columns past M and N are clamped, not masked: they read real memory, and their results are not stored.
+    if SPLIT_GRID:
+        split, pid_n, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        split, pid_n, pid_m = 0, tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in, cols_in = tl.minimum(rows, M - 1), tl.minimum(cols, N - 1)
+    out_ok = (rows < M)[:, None] & (cols < N)[None, :]
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SPLIT_GRID:
+        acc = _chunk(x_ptr, w_ptr, rows_in, cols_in, split * CHUNK_K, K, stride_xm, stride_wn, CHUNK_K, BLOCK_M,
+                     BLOCK_N, BLOCK_K)
+        at = rows[:, None] * N + cols[None, :]
+        tl.store(partials_ptr + split * M * N + at, acc, mask=out_ok)
+        tl.debug_barrier()  # every thread's partials are issued before the arrival counts
+        counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1
+        if last:
+            for s in range(SPLITS):  # the last to arrive adds the chunks in order
+                total += tl.load(partials_ptr + s * M * N + at, mask=out_ok, other=0.0, cache_modifier=".cg")
+            tl.store(counter, 0)  # ready for the next launch
+            _store(out_ptr, bias_ptr, total, rows, cols, cols_in, out_ok, stride_om, HAS_BIAS)
+    else:
+        for s in range(SPLITS):
+            total += _chunk(x_ptr, w_ptr, rows_in, cols_in, s * CHUNK_K, K, stride_xm, stride_wn, CHUNK_K, BLOCK_M,
+                            BLOCK_N, BLOCK_K)
+        _store(out_ptr, bias_ptr, total, rows, cols, cols_in, out_ok, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _store(out_ptr, bias_ptr, total, rows, cols, cols_in, out_ok, stride_om, HAS_BIAS: tl.constexpr):
+    """The tile's float32 sums (+ the bias) rounded to the output's dtype."""
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], total.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's arrival counters, 0 between launches (each split launch's last program puts its own back)."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+
+
+def prepare(device: torch.device) -> None:
+    """Allocate the device's counters now, outside any CUDA graph capture."""
+    if device.type == "cuda":
+        _counters(device)
+
+
+def split_grid(M: int, N: int, K: int) -> bool:
+    """Whether M rows run one program per chunk: while their tiles alone leave most of PROGRAMS idle and the
+    float32 partials are at most the weight's bytes. Either grid gives the same bits."""
+    p = plan(N, K)
+    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    return p.splits > 1 and 2 * tiles <= PROGRAMS and tiles <= COUNTERS and 4 * p.splits * M <= K
+
+
+def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  split: bool | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, by the Triton kernel; `split`: force the
+    grid (None: `split_grid`'s choice)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == K
+    p = plan(N, K)
+    split = split_grid(M, N, K) if split is None else split and p.splits > 1
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    m_tiles, n_tiles = triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N)
+    partials = torch.empty(p.splits, M, N, dtype=torch.float32, device=x.device) if split else out
+    counters = _counters(x.device) if x.is_cuda else torch.zeros(m_tiles * n_tiles, dtype=torch.int32)
+    grid = (p.splits, n_tiles, m_tiles) if split else (n_tiles, m_tiles)
+    _matmul_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, partials, counters, M, N, K,
+        x.stride(0), weight.stride(0), out.stride(0),
+        SPLITS=p.splits, CHUNK_K=p.chunk_k, SPLIT_GRID=split, HAS_BIAS=bias is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+    )
+    return out
+
+
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N], each row's bits independent of T and of the other rows."""
+    if x.is_cuda:
+        return matmul_kernel(x.contiguous(), weight, bias)
+    T, K = x.shape
+    blocks = F.pad(x, (0, 0, 0, -T % ROWS)).view(-1, ROWS, K)
+    y = torch.matmul(blocks, weight.t()).flatten(0, 1)[:T]
+    return y if bias is None else y + bias
