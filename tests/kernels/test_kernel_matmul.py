@@ -9,7 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from weft.attention.padded import attend_invariant
-from weft.layers.linear import BLOCK_K, batch_invariant_linear, matmul_kernel, plan, split_grid
+from weft.layers.linear import (
+    BLOCK_K,
+    DECODE_TILES,
+    PREFILL_TILES,
+    batch_invariant_linear,
+    launch_for,
+    matmul_kernel,
+    plan,
+)
 
 pytestmark = pytest.mark.kernels
 
@@ -44,8 +52,9 @@ def test_matches_float64_and_every_row_keeps_its_bits(device, dtype, shape, bias
     assert ((full.double() - want) / scale).abs().max() <= TOL[dtype]
     for offset, M in SLICES:
         for split in (False, True):
-            got = matmul_kernel(x[offset : offset + M].contiguous(), w, b, split=split)
-            assert torch.equal(got, full[offset : offset + M]), (offset, M, split)
+            for tiles in (DECODE_TILES, PREFILL_TILES):
+                got = matmul_kernel(x[offset : offset + M].contiguous(), w, b, split=split, tiles=tiles)
+                assert torch.equal(got, full[offset : offset + M]), (offset, M, split, tiles)
 
 
 def test_the_plan_depends_on_n_and_k_alone_and_splits_only_where_a_tile_is_short_of_work():
@@ -53,8 +62,10 @@ def test_the_plan_depends_on_n_and_k_alone_and_splits_only_where_a_tile_is_short
     assert all(plan(1024, 3072).chunk_k % BLOCK_K == 0 for _ in range(2))
     p = plan(1024, 3072)
     assert p.splits * p.chunk_k >= 3072 > (p.splits - 1) * p.chunk_k  # every chunk holds some of K
-    assert split_grid(1, 1024, 2048) and not split_grid(4096, 1024, 2048)  # a decode splits, a prefill does not
-    assert not split_grid(1, 151936, 1024)  # one chunk: nothing to split
+    assert launch_for(1, 1024, 2048) == (DECODE_TILES, True)  # a decode splits its few tiles' K
+    assert launch_for(4096, 1024, 2048) == (PREFILL_TILES, False)  # a prefill's large tiles fill the GPU
+    assert launch_for(256, 1024, 2048) == (DECODE_TILES, True)  # large tiles would not: small ones, split
+    assert launch_for(1, 151936, 1024) == (DECODE_TILES, False)  # one chunk: nothing to split
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,9 +5,9 @@ gathering blocks); this module pads the ragged queries to match, masks, and unpa
 
 SDPA's kernels pick their blocking from the padded shape, so a query's sums follow its batch. Batch-invariant
 (EngineConfig.deterministic), `attend_invariant` computes the same attention with every product in matmuls of
-one fixed shape (ROWS queries by KEY_TILE keys; linear.py's reason), folding each query's keys a tile at a time
-from position 0 by an online softmax: tiles past a query's keys add exact zeros, so its bits are the same
-whatever the batch, the padding, or the chunk it came in.
+one fixed shape (ROWS queries by KEY_TILE keys; linear.py's reason) and exp from correctly rounded operations
+(exact.py's reason), folding each query's keys a tile at a time from position 0 by an online softmax: tiles past
+a query's keys add exact zeros, so its bits are the same whatever the batch, the padding, or the chunk it came in.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from weft.attention.base import AttentionMetadata
+from weft.layers import exact
 from weft.layers.linear import ROWS
 
 KEY_TILE = 64  # keys per step of attend_invariant's online softmax
@@ -97,8 +98,8 @@ def attend_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         s = torch.bmm(q.reshape(X, ROWS, D), tiles(k[:, :, start:end]).transpose(1, 2)).float()
         s = (s.view(B, H_kv, G, blocks, ROWS, KEY_TILE) * scale).masked_fill(~mask[..., start:end], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new)
+        alpha = exact.exp(m - m_new)
+        p = exact.exp(s - m_new)
         row_sum = row_sum * alpha + p.sum(-1, keepdim=True)
         pv = torch.bmm(p.to(v.dtype).view(X, ROWS, KEY_TILE), tiles(v[:, :, start:end])).float()
         acc = acc * alpha + pv.view(acc.shape)

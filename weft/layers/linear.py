@@ -6,9 +6,9 @@ change in the last bits with the batch it shares (issue 33: 11 of 48 requests al
 batched). `batch_invariant_linear` fixes every choice that touches a row's sums from (N, K) alone:
 
 - On CUDA, one Triton kernel. Each output element's dot product runs over K in `splits` chunks of
-  `chunk_k` (both from N and K: `plan`), each chunk summed from 0 in BLOCK_K steps of the same
-  tile shape (BLOCK_M x BLOCK_N x BLOCK_K, num_warps: the same MMA instructions whatever M is),
-  then the chunks' sums added in order: ((0 + c_0) + c_1) + ... Only the grid depends on M: few
+  `chunk_k` (both from N and K: `plan`), each chunk summed from 0 in BLOCK_K steps (the same MMA
+  instructions whatever the tile: `Tiles`), then the chunks' sums added in order: ((0 + c_0) + c_1)
+  + ... Only the tile and the grid depend on M: few
   rows (a decode) run one program per chunk, whose float32 partials the last one to finish adds up
   in that order; many rows run one program per tile, which adds its chunks as it goes. Both add the
   same numbers in the same order, so they agree bit for bit (tests/kernels/test_kernel_matmul.py).
@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 64, 64, 128, 4
+BLOCK_K = 128  # the one step along K: every tile shape sums a row's products in these steps, in order
+PLAN_BLOCK_N = 64  # the tile width `plan` counts programs in (whatever width a launch then uses)
 PROGRAMS = 256  # the programs a one-tile decode should spread over (about two per SM on an H200's 132)
 COUNTERS = 4096  # arrival counters per device: the most tiles a split launch may have
 ROWS = 16  # the CPU's row block
@@ -46,6 +47,38 @@ class Linear(nn.Linear):
 
 
 @dataclass(frozen=True)
+class Tiles:
+    """A launch's tile: block_m x block_n outputs per program over BLOCK_K steps, its warps and pipeline stages.
+    Tiles of one BLOCK_K run the same MMA instruction per 64 rows (m64, one warpgroup per 64 rows), so a row's sums
+    do not depend on them (tests/kernels/test_kernel_matmul.py checks each pair on the GPU)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# The H200's fastest of those measured (results/logs/h200_matmul_tiles_b36bab0.log): small tiles while rows are
+# few, large ones once they fill a wave of programs.
+DECODE_TILES = Tiles(64, 64, 4, 3)
+PREFILL_TILES = Tiles(128, 128, 8, 3)
+WAVE = 128  # programs that keep every SM busy (an H200 has 132)
+
+
+def launch_for(M: int, N: int, K: int) -> tuple[Tiles, bool]:
+    """The tiles and grid for M rows of an [N, K] weight: PREFILL_TILES past 64 rows where they fill a wave;
+    else DECODE_TILES, run one program per chunk where their tiles alone leave the wave short (and there are
+    chunks). Whichever is chosen, the bits are the same."""
+    def programs(t: Tiles) -> int:
+        return triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n)
+
+    if M > DECODE_TILES.block_m and programs(PREFILL_TILES) >= WAVE:
+        return PREFILL_TILES, False
+    tiles = programs(DECODE_TILES)
+    return DECODE_TILES, plan(N, K).splits > 1 and tiles < WAVE and tiles <= COUNTERS
+
+
+@dataclass(frozen=True)
 class MatmulPlan:
     """How the dot products of an [N, K] weight are summed: `splits` chunks of `chunk_k` (a multiple of BLOCK_K)."""
 
@@ -57,7 +90,7 @@ class MatmulPlan:
 def plan(N: int, K: int) -> MatmulPlan:
     """The chunks of K for an [N, K] weight: enough that a one-tile decode's N / BLOCK_N tiles times the chunks
     reach PROGRAMS, each chunk at least two BLOCK_K steps. Depends on N and K only, never on M."""
-    tiles = triton.cdiv(N, BLOCK_N)
+    tiles = triton.cdiv(N, PLAN_BLOCK_N)
     steps = triton.cdiv(K, BLOCK_K)
     want = max(1, min(PROGRAMS // tiles, steps // 2))
     chunk_k = triton.cdiv(steps, want) * BLOCK_K
@@ -65,15 +98,15 @@ def plan(N: int, K: int) -> MatmulPlan:
 
 
 @triton.jit
-def _chunk(x_ptr, w_ptr, rows, cols, start, K, stride_xm, stride_wn, CHUNK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, K, stride_xm, stride_wn, CHUNK_K: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """x[rows, start : start + CHUNK_K] @ w[cols, same]^T [BLOCK_M, BLOCK_N] in float32, summed from 0 a BLOCK_K at a
-    time (columns at or past K read as 0)."""
+    time (columns at or past K and rows at or past M read as 0)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(start, start + CHUNK_K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=k_ok[None, :], other=0.0)
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None], mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision="ieee")
     return acc
@@ -85,18 +118,19 @@ def _matmul_kernel(
     SPLITS: tl.constexpr, CHUNK_K: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Rows and columns past M and N are clamped, not masked: they read real memory, and their results are not stored.
+    # Rows past M are masked (a decode's one row loads one row); columns past N are clamped: they read real memory,
+    # and their results are not stored.
     if SPLIT_GRID:
         split, pid_n, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     else:
         split, pid_n, pid_m = 0, tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_in, cols_in = tl.minimum(rows, M - 1), tl.minimum(cols, N - 1)
-    out_ok = (rows < M)[:, None] & (cols < N)[None, :]
+    row_ok, cols_in = rows < M, tl.minimum(cols, N - 1)
+    out_ok = row_ok[:, None] & (cols < N)[None, :]
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SPLIT_GRID:
-        acc = _chunk(x_ptr, w_ptr, rows_in, cols_in, split * CHUNK_K, K, stride_xm, stride_wn, CHUNK_K, BLOCK_M,
+        acc = _chunk(x_ptr, w_ptr, rows, row_ok, cols_in, split * CHUNK_K, K, stride_xm, stride_wn, CHUNK_K, BLOCK_M,
                      BLOCK_N, BLOCK_K)
         at = rows[:, None] * N + cols[None, :]
         tl.store(partials_ptr + split * M * N + at, acc, mask=out_ok)
@@ -109,9 +143,22 @@ def _matmul_kernel(
             tl.store(counter, 0)  # ready for the next launch
             _store(out_ptr, bias_ptr, total, rows, cols, cols_in, out_ok, stride_om, HAS_BIAS)
     else:
-        for s in range(SPLITS):
-            total += _chunk(x_ptr, w_ptr, rows_in, cols_in, s * CHUNK_K, K, stride_xm, stride_wn, CHUNK_K, BLOCK_M,
-                            BLOCK_N, BLOCK_K)
+        # One loop over every chunk's steps (so loads run ahead across chunk ends): at a chunk's last step its sum
+        # joins the total and starts again from 0, by selects, which change no bits.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        STEPS: tl.constexpr = CHUNK_K // BLOCK_K
+        for i in range(0, SPLITS * STEPS):
+            k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptr + cols_in[None, :] * stride_wn + k[:, None], mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+            if SPLITS > 1:
+                end = i % STEPS == STEPS - 1
+                total = tl.where(end, total + acc, total)
+                acc = tl.where(end, 0.0, acc)
+        if SPLITS == 1:  # one chunk: its sum joins the total after the loop
+            total += acc
         _store(out_ptr, bias_ptr, total, rows, cols, cols_in, out_ok, stride_om, HAS_BIAS)
 
 
@@ -135,27 +182,21 @@ def prepare(device: torch.device) -> None:
         _counters(device)
 
 
-def split_grid(M: int, N: int, K: int) -> bool:
-    """Whether M rows run one program per chunk: while their tiles alone leave most of PROGRAMS idle and the
-    float32 partials are at most the weight's bytes. Either grid gives the same bits."""
-    p = plan(N, K)
-    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
-    return p.splits > 1 and 2 * tiles <= PROGRAMS and tiles <= COUNTERS and 4 * p.splits * M <= K
-
-
 def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  split: bool | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, by the Triton kernel; `split`: force the
-    grid (None: `split_grid`'s choice)."""
+                  split: bool | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, by the Triton kernel; `split`, `tiles`: force
+    the grid and the tiles (None: `launch_for`'s choice)."""
     M, K = x.shape
     N = weight.shape[0]
     assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == K
     p = plan(N, K)
-    split = split_grid(M, N, K) if split is None else split and p.splits > 1
+    chosen_tiles, chosen_split = launch_for(M, N, K)
+    t = tiles or chosen_tiles
+    split = chosen_split if split is None else split and p.splits > 1
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    m_tiles, n_tiles = triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N)
+    m_tiles, n_tiles = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n)
     partials = torch.empty(p.splits, M, N, dtype=torch.float32, device=x.device) if split else out
     counters = _counters(x.device) if x.is_cuda else torch.zeros(m_tiles * n_tiles, dtype=torch.int32)
     grid = (p.splits, n_tiles, m_tiles) if split else (n_tiles, m_tiles)
@@ -163,7 +204,7 @@ def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, weight, bias if bias is not None else weight, out, partials, counters, M, N, K,
         x.stride(0), weight.stride(0), out.stride(0),
         SPLITS=p.splits, CHUNK_K=p.chunk_k, SPLIT_GRID=split, HAS_BIAS=bias is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=BLOCK_K, num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
 

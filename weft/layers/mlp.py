@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.distributed import TensorParallel
-from weft.layers import fused
+from weft.layers import exact, fused
 from weft.layers.linear import Linear
 from weft.layers.parallel import RowParallelLinear
 
@@ -19,6 +19,7 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = Linear(E, 2 * intermediate, bias=bias)
         self.down_proj = RowParallelLinear(intermediate, E, bias, tp)
         self.kernels = True  # fused.py's SiLU x up where it runs (False: PyTorch's ops everywhere)
+        self.batch_invariant = False  # off the kernels, SiLU from exact.py (EngineConfig.deterministic)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T_total, E] -> [T_total, E]"""
@@ -26,4 +27,4 @@ class SwiGLU(nn.Module):
         if self.kernels and fused.on_kernels(gate_up):
             return self.down_proj(fused.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((exact.silu(gate) if self.batch_invariant else F.silu(gate)) * up)

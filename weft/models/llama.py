@@ -144,9 +144,10 @@ class LlamaForCausalLM(nn.Module):
                 module.kernels = on
 
     def use_batch_invariant(self, on: bool) -> None:
-        """Whether every linear layer runs weft.layers.linear's batch-invariant matmul (EngineConfig.deterministic)."""
+        """Whether every linear layer runs weft.layers.linear's batch-invariant matmul, and the MLP's SiLU off the
+        kernels exact.py's (EngineConfig.deterministic)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear | SwiGLU):
                 module.batch_invariant = on
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
