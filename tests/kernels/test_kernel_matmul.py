@@ -12,11 +12,13 @@ from weft.attention.padded import attend_invariant
 from weft.layers.linear import (
     BLOCK_K,
     DECODE_TILES,
+    FLOAT32_TILES,
     PREFILL_TILES,
     batch_invariant_linear,
     launch_for,
     matmul_kernel,
     plan,
+    tile_choices,
 )
 
 pytestmark = pytest.mark.kernels
@@ -52,7 +54,7 @@ def test_matches_float64_and_every_row_keeps_its_bits(device, dtype, shape, bias
     assert ((full.double() - want) / scale).abs().max() <= TOL[dtype]
     for offset, M in SLICES:
         for split in (False, True):
-            for tiles in (DECODE_TILES, PREFILL_TILES):
+            for tiles in set(tile_choices(dtype)):
                 got = matmul_kernel(x[offset : offset + M].contiguous(), w, b, split=split, tiles=tiles)
                 assert torch.equal(got, full[offset : offset + M]), (offset, M, split, tiles)
 
@@ -66,6 +68,8 @@ def test_the_plan_depends_on_n_and_k_alone_and_splits_only_where_a_tile_is_short
     assert launch_for(4096, 1024, 2048) == (PREFILL_TILES, False)  # a prefill's large tiles fill the GPU
     assert launch_for(256, 1024, 2048) == (DECODE_TILES, True)  # large tiles would not: small ones, split
     assert launch_for(1, 151936, 1024) == (DECODE_TILES, False)  # one chunk: nothing to split
+    assert launch_for(4096, 1024, 2048, torch.float32) == (FLOAT32_TILES, False)  # float32: small tiles at any M
+    assert launch_for(1, 1024, 2048, torch.float32) == (FLOAT32_TILES, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -59,23 +59,32 @@ class Tiles:
 
 
 # The H200's fastest of those measured (results/logs/h200_matmul_tiles_b36bab0.log): small tiles while rows are
-# few, large ones once they fill a wave of programs.
+# few, large ones once they fill a wave of programs. Float32 (the GPU tests' dtype) runs one small tile whatever M:
+# its 4-byte operands, staged for the large tiles, would outgrow an SM's shared memory.
 DECODE_TILES = Tiles(64, 64, 4, 3)
 PREFILL_TILES = Tiles(128, 128, 8, 3)
+FLOAT32_TILES = Tiles(32, 64, 4, 2)
 WAVE = 128  # programs that keep every SM busy (an H200 has 132)
 
 
-def launch_for(M: int, N: int, K: int) -> tuple[Tiles, bool]:
-    """The tiles and grid for M rows of an [N, K] weight: PREFILL_TILES past 64 rows where they fill a wave;
-    else DECODE_TILES, run one program per chunk where their tiles alone leave the wave short (and there are
-    chunks). Whichever is chosen, the bits are the same."""
+def tile_choices(dtype: torch.dtype) -> tuple[Tiles, Tiles]:
+    """The tiles for few rows and for many, of operands in `dtype`."""
+    return (FLOAT32_TILES, FLOAT32_TILES) if dtype.itemsize > 2 else (DECODE_TILES, PREFILL_TILES)
+
+
+def launch_for(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> tuple[Tiles, bool]:
+    """The tiles and grid for M rows of an [N, K] weight: the large tiles past the small ones' rows where they fill
+    a wave; else the small ones, run one program per chunk where their tiles alone leave the wave short (and there
+    are chunks). Whichever is chosen, the bits are the same."""
+    small, large = tile_choices(dtype)
+
     def programs(t: Tiles) -> int:
         return triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n)
 
-    if M > DECODE_TILES.block_m and programs(PREFILL_TILES) >= WAVE:
-        return PREFILL_TILES, False
-    tiles = programs(DECODE_TILES)
-    return DECODE_TILES, plan(N, K).splits > 1 and tiles < WAVE and tiles <= COUNTERS
+    if M > small.block_m and programs(large) >= WAVE:
+        return large, False
+    tiles = programs(small)
+    return small, plan(N, K).splits > 1 and tiles < WAVE and tiles <= COUNTERS
 
 
 @dataclass(frozen=True)
@@ -190,7 +199,7 @@ def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     N = weight.shape[0]
     assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == K
     p = plan(N, K)
-    chosen_tiles, chosen_split = launch_for(M, N, K)
+    chosen_tiles, chosen_split = launch_for(M, N, K, x.dtype)
     t = tiles or chosen_tiles
     split = chosen_split if split is None else split and p.splits > 1
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
