@@ -39,10 +39,12 @@ def backend_for(case: PagedCase) -> tuple[TritonBackend, torch.Tensor, torch.Ten
     return backend, k_new, v_new
 
 
-def run_step(case: PagedCase) -> torch.Tensor:
+def run_step(case: PagedCase, batch_invariant: bool = False) -> torch.Tensor:
+    """One step's forward; `batch_invariant` (EngineConfig.deterministic): decodes too in the grouped kernel."""
     backend, k, v = backend_for(case)
+    backend.batch_invariant = batch_invariant
     step = backend.prepare(case.meta())
-    assert (step.splits is not None) == (step.meta.num_decodes > 0)
+    assert (step.splits is not None) == (step.meta.num_decodes > 0 and not batch_invariant)
     return backend.forward(LAYER, case.q, k, v, step)
 
 
@@ -55,9 +57,10 @@ MIXED = ([1, 1, 30, 4, 1], [50, 9, 30, 4, 40])  # two decodes, then prefills, on
     [(64, *DECODE), (64, *MIXED), (48, *MIXED), (80, *MIXED), (96, *MIXED)],
     ids=["decode", "mixed", "mixed-D48", "mixed-D80", "mixed-D96"],
 )
-def test_forward_fp32(device, D, q_lens, context_lens):
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "invariant"])
+def test_forward_fp32(device, D, q_lens, context_lens, batch_invariant):
     case = make_case(4, 2, D, 16, q_lens, context_lens, torch.float32, device, 3)
-    assert_matches(run_step(case), reference(case, D**-0.5))
+    assert_matches(run_step(case, batch_invariant), reference(case, D**-0.5))
 
 
 GPU_DECODE = ([1] * 8, [1, 5000, 300, 2048, 77, 4096, 1, 999])
@@ -72,9 +75,10 @@ GPU_MIXED = ([1, 1000, 1, 257], [3000, 1000, 17, 2000])
     + [(80, torch.float16, *GPU_DECODE), (96, torch.float16, *GPU_MIXED)],
     ids=["decode", "mixed", "mixed-D48", "mixed-D80", "mixed-D96", "mixed-D256", "decode-D80-fp16", "mixed-D96-fp16"],
 )
-def test_forward_gpu(device, D, dtype, q_lens, context_lens):
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "invariant"])
+def test_forward_gpu(device, D, dtype, q_lens, context_lens, batch_invariant):
     case = make_case(16, 8, D, 16, q_lens, context_lens, dtype, device, 4)
-    assert_matches(run_step(case), reference(case, D**-0.5))
+    assert_matches(run_step(case, batch_invariant), reference(case, D**-0.5))
 
 
 @pytest.fixture

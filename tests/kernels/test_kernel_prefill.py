@@ -15,7 +15,7 @@ from tests.kernels.paged_case import (
     recorded_accesses,
     reference,
 )
-from weft.attention.kernels import prefill_attention
+from weft.attention.kernels import grouped_attention, prefill_attention
 from weft.attention.kernels.prefill import KV_TILE_BYTES, kv_tile_tokens
 from weft.attention.kernels.tiles import padded_head_dim
 
@@ -54,29 +54,75 @@ def run_prefill(case, window: int | None = None) -> torch.Tensor:
     )
 
 
+def run_grouped(case, window: int | None = None) -> torch.Tensor:
+    D = case.q.shape[2]
+    out = torch.full_like(case.q, float("nan"))
+    return grouped_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc, case.context_lens, D**-0.5,
+        out, window,
+    )
+
+
+# Both launches of the kernel's tiles: per query head (prefill_attention), per KV head's group (grouped_attention).
+KERNELS = [run_prefill, run_grouped]
+
+
+@pytest.mark.parametrize("run", KERNELS)
 @pytest.mark.parametrize(("group", "D", "P", "q_lens", "context_lens"), CPU_CASES)
-def test_prefill_fp32(device, group, D, P, q_lens, context_lens):
+def test_prefill_fp32(device, run, group, D, P, q_lens, context_lens):
     H_kv = 2
     case = make_case(group * H_kv, H_kv, D, P, q_lens, context_lens, torch.float32, device, 0)
-    assert_matches(run_prefill(case), reference(case, D**-0.5))
+    assert_matches(run(case), reference(case, D**-0.5))
 
 
 @gpu
+@pytest.mark.parametrize("run", KERNELS)
 @pytest.mark.parametrize(("group", "D", "P", "dtype"), GPU_CASES)
-def test_prefill_gpu(device, group, D, P, dtype):
+def test_prefill_gpu(device, run, group, D, P, dtype):
     H_kv = 4
     case = make_case(group * H_kv, H_kv, D, P, GPU_Q_LENS, GPU_CTX_LENS, dtype, device, P + D + group)
-    assert_matches(run_prefill(case), reference(case, D**-0.5))
+    assert_matches(run(case), reference(case, D**-0.5))
 
 
 # windows shorter and longer than a key tile (64 here) and the query tile (128), a window past every context
+@pytest.mark.parametrize("run", KERNELS)
 @pytest.mark.parametrize("window", [1, 16, 100, 300, 5000])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu)])
-def test_prefill_within_a_sliding_window(device, window, dtype):
+def test_prefill_within_a_sliding_window(device, run, window, dtype):
     """Each query sees the window's keys up to itself; the keys no query of its request sees are never read."""
     case = make_case(4, 2, 64, 16, [1, 150, 40, 7], [90, 150, 400, 7], dtype, device, window)
     poison_outside(case, window)
-    assert_matches(run_prefill(case, window), reference(case, 64**-0.5, window))
+    assert_matches(run(case, window), reference(case, 64**-0.5, window))
+
+
+# How one request of 300 tokens is cut into steps: (new tokens, context) of each of its pieces,
+# which sit in one step beside the others listed with them (other pieces of the same request).
+STEPS = [
+    [(300, 300)],  # prefilled whole
+    [(1, 300)],  # its last token decoded alone
+    [(1, 300), (1, 1), (1, 64), (1, 65), (1, 129)],  # decoded beside other decodes
+    [(1, 300), (77, 200), (1, 64), (23, 23), (150, 299)],  # beside prefills, in one launch
+    [(37, 37), (63, 100), (64, 164), (136, 300)],  # chunks of any size
+]
+
+
+@pytest.mark.parametrize(("group", "D"), [(2, 128), (4, 64), (1, 64), (3, 80)])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu)])
+def test_grouped_keeps_each_tokens_bits(device, group, D, dtype):
+    """A token's output is the same bits whichever step computes it: whole, chunked, decoded, beside anything."""
+    whole = make_case(2 * group, 2, D, 16, [300], [300], dtype, device, group + D)
+    expected = run_grouped(whole)
+    assert_matches(expected, reference(whole, D**-0.5))
+    for step in STEPS:
+        rows = torch.cat([torch.arange(c - t, c) for t, c in step]).to(device)
+        starts = torch.tensor([0, *[t for t, _ in step]]).cumsum(0).to(torch.int32).to(device)
+        out = torch.full_like(whole.q[rows], float("nan"))
+        grouped_attention(
+            whole.q[rows], whole.k_cache, whole.v_cache, whole.block_tables.expand(len(step), -1), starts,
+            torch.tensor([c for _, c in step], dtype=torch.int32, device=device), D**-0.5, out,
+        )
+        differ = (out != expected[rows]).flatten(1).any(1)
+        assert not differ.any(), f"{step}: {int(differ.sum())} of {len(rows)} tokens differ"
 
 
 @interpreter_only

@@ -6,12 +6,13 @@ gathered into a padded copy: a step's decodes (one new token each) run split-KV 
 other requests a causal flash-attention kernel over the cache; a mixed step launches both, each on its
 own requests. In a model's sliding-window layers both read only the window's keys.
 
-Batch-invariant (EngineConfig.deterministic), every request goes to the flash-attention kernel, decodes as
-requests of one new token: its programs fold a query's keys in tiles of the same BLOCK_N from position 0, in
-order, one query row's sums never touching another's; whole-tile and diagonal tiles differ only in a mask of
-what the row sees, and tiles past the row add exact zeros. So a token's output is the same bits whether it
-is decoded, prefilled whole or in a chunk of any size, or follows a cached prefix. The split decode kernel's
-split count follows the batch, so it is not used there.
+Batch-invariant (EngineConfig.deterministic), every request goes to one launch of `grouped_attention`,
+decodes as requests of one new token: one compiled program, a KV head's query heads in its rows, folds
+a query's keys in tiles of the same BLOCK_N from position 0, in order, one query row's sums never touching
+another's; whole-tile and diagonal tiles differ only in a mask of what the row sees, and tiles past the row
+add exact zeros. So a token's output is the same bits whether it is decoded, prefilled whole or in a chunk
+of any size, or follows a cached prefix. The split decode kernel's split count follows the batch, so it is
+not used there.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from weft.attention.base import AttentionMetadata
-from weft.attention.kernels import DecodeSplits, decode_attention, prefill_attention, write_kv
+from weft.attention.kernels import DecodeSplits, decode_attention, grouped_attention, prefill_attention, write_kv
 from weft.attention.kernels.tiles import MAX_HEAD_DIM
 from weft.attention.paged import PagedSlab
 from weft.config import ModelConfig
@@ -73,6 +74,10 @@ class TritonBackend(PagedSlab[TritonStep]):
         # pointers (and Triton's specializations on their alignment) stay the same every step.
         table, ctx = meta.block_tables, meta.context_lens
         window = self.cfg.sliding_window if layer in self.cfg.window_layers else None
+        if self.batch_invariant:
+            return grouped_attention(
+                q, k_cache, v_cache, table, meta.query_start_loc, ctx, self.scale, out, window
+            )
         decodes = 0 if step.splits is None else meta.num_decodes
         if decodes:
             decode_attention(q, k_cache, v_cache, table, ctx, self.scale, step.splits, out, window)

@@ -39,12 +39,12 @@ def top_ops(
 
 # A GPU kernel's class, by the first pattern its name contains (lower case); the rest is "other".
 KERNEL_CLASSES = (
-    ("attention", ("_split_kernel", "_merge", "_prefill_kernel", "attention", "flash", "fmha")),
+    ("attention", ("_split_kernel", "_merge", "_prefill_kernel", "_grouped_kernel", "attention", "flash", "fmha")),
     ("kv write", ("_write_kernel",)),  # only where the eager attention stores K/V (between piecewise graphs)
     ("norm", ("rms_norm",)),
     ("rope", ("_rotary",)),  # with Qwen3's q/k RMSNorms, and the K/V store where the backend gives cache_slots
     ("activation", ("_silu",)),
-    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "sm90", "splitk")),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "sm90", "splitk", "_matmul_kernel")),
     ("sampling", ("sort", "topk", "argmax", "softmax", "exponential", "max_")),
     ("copy", ("memcpy", "memset", "copy")),
 )

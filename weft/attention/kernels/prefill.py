@@ -7,6 +7,9 @@ position context_lens[b] - T_b + i and sees cache positions 0 .. that position (
 sliding window of W keys: the W up to it). Tiles of keys that every row of the query tile
 sees skip the causal mask; only the few on the diagonal pay it (with a window, every tile
 pays it, and tiles before the tile's first row's window are not read).
+
+`grouped_attention` runs the same tiles' sums for every request of a step, decodes too, with a
+KV head's group of query heads in a program's rows: the batch-invariant path.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.attention.kernels.tiles import LOG2E, lanes, padded_head_dim, softmax_step, token_offsets
+from weft.attention.kernels.decode import NUM_WARPS as DECODE_WARPS
+from weft.attention.kernels.decode import SHALLOW_TILES
+from weft.attention.kernels.tiles import LOG2E, MIN_DOT, lanes, padded_head_dim, softmax_step, token_offsets
 
 BLOCK_M = 128  # new tokens per program
 # One K (or V) tile: 128 tokens of D = 128 in bf16, the sweep's fastest (results/logs/h200_kernel_sweep.txt).
@@ -43,58 +48,120 @@ def _prefill_kernel(
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     if m_tile * BLOCK_M < q_len:
-        context_len = tl.load(context_lens_ptr + b)
         rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_len
-        q_pos = context_len - q_len + rows  # [BLOCK_M] position of each query row
-        d = tl.arange(0, D_PAD)
-        q_rows = (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd
-        q = tl.load(q_ptr + q_rows, mask=lanes(row_ok, D, D_PAD), other=0.0)
+        _attend_tile(
+            q_ptr, k_ptr, v_ptr, out_ptr, table_ptr + b * stride_table, tl.load(context_lens_ptr + b), scale_log2,
+            q_start, q_len, m_tile * BLOCK_M, rows, rows < q_len, h + 0 * rows, h // GROUP, stride_qt, stride_qh,
+            stride_qd, stride_kn, stride_kp, stride_kh, stride_kd, stride_ot, stride_oh, stride_od,
+            D, D_PAD, P, BLOCK_M, BLOCK_N, WINDOW,
+        )
 
-        # finite, not -inf: with a window, a row may see no key of a tile before it sees one, and exp2(m - m_new)
-        # must be 0 there, not NaN
-        m = tl.full([BLOCK_M], -1e30, tl.float32)
-        row_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        table = table_ptr + b * stride_table
-        head_k = k_ptr + (h // GROUP) * stride_kh
-        head_v = v_ptr + (h // GROUP) * stride_kh
-        first = context_len - q_len + m_tile * BLOCK_M  # position of the tile's first row
-        kv_end = tl.minimum(first + BLOCK_M, context_len)  # keys from this on: seen by no row
-        if WINDOW:  # keys before the first row's window: seen by no row; every tile masked
-            full_start = tl.maximum(first - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-            full_end = full_start
+
+# The batch's size and its new tokens' count change from step to step: not specialized on.
+@triton.jit(do_not_specialize=["num_requests", "stride_table"])
+def _grouped_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, query_start_loc_ptr, context_lens_ptr,
+    scale_log2, num_requests,
+    stride_qt, stride_qh, stride_qd,
+    stride_kn, stride_kp, stride_kh, stride_kd,
+    stride_table,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+):
+    # Request b's tiles are programs first_tile(b) = query_start_loc[b] // TILE_TOKENS + b on: they
+    # rise with b, leave each request at least the tiles it needs, and end below T_total //
+    # TILE_TOKENS + B, so the grid is fixed by the step's shape (a CUDA graph's) and no program is
+    # launched per (request, tile) pair that has no tokens. A binary search finds a program's request.
+    TILE_TOKENS: tl.constexpr = BLOCK_M // GROUP
+    tile = tl.program_id(0)
+    lo = tile * 0  # first_tile(lo) <= tile < first_tile(hi), first_tile(num_requests) taken as infinite
+    hi = lo + num_requests
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        before = tl.load(query_start_loc_ptr + mid) // TILE_TOKENS + mid <= tile
+        lo = tl.where(before, mid, lo)
+        hi = tl.where(before, hi, mid)
+    b = lo
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    first_token = (tile - q_start // TILE_TOKENS - b) * TILE_TOKENS
+    if first_token < q_len:
+        h_kv = tl.program_id(1)
+        r = tl.arange(0, BLOCK_M)  # row r: token r // GROUP of the tile, query head r % GROUP of the KV head's group
+        rows = first_token + r // GROUP
+        _attend_tile(
+            q_ptr, k_ptr, v_ptr, out_ptr, table_ptr + b * stride_table, tl.load(context_lens_ptr + b), scale_log2,
+            q_start, q_len, first_token, rows, (r < TILE_TOKENS * GROUP) & (rows < q_len), h_kv * GROUP + r % GROUP,
+            h_kv, stride_qt, stride_qh, stride_qd, stride_kn, stride_kp, stride_kh, stride_kd, stride_ot, stride_oh,
+            stride_od, D, D_PAD, P, TILE_TOKENS, BLOCK_N, WINDOW,
+        )
+
+
+@triton.jit
+def _attend_tile(
+    q_ptr, k_ptr, v_ptr, out_ptr, table, context_len, scale_log2,
+    q_start, q_len, first_token, rows, row_ok, heads, h_kv,
+    stride_qt, stride_qh, stride_qd, stride_kn, stride_kp, stride_kh, stride_kd, stride_ot, stride_oh, stride_od,
+    D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """One program's query rows: row i is new token rows[i] (of request tokens first_token ..
+    first_token + TILE_TOKENS - 1) in query head heads[i], all of KV head h_kv; stored where row_ok.
+
+    A row's sums fold its keys in tiles of BLOCK_N from position 0 (or from its window's first
+    tile), in order, never touching another row's: a token's bits do not depend on the tile's other
+    rows, nor on whether its tile's keys count as whole or diagonal (a mask of what the row sees;
+    tiles past the row add exact zeros).
+    """
+    q_pos = context_len - q_len + rows  # [BLOCK_M] position of each query row
+    d = tl.arange(0, D_PAD)
+    q_rows = (q_start + rows)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_rows, mask=lanes(row_ok, D, D_PAD), other=0.0)
+
+    # finite, not -inf: with a window, a row may see no key of a tile before it sees one, and exp2(m - m_new)
+    # must be 0 there, not NaN
+    m = tl.full([q.shape[0]], -1e30, tl.float32)
+    row_sum = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros([q.shape[0], D_PAD], tl.float32)
+    head_k = k_ptr + h_kv * stride_kh
+    head_v = v_ptr + h_kv * stride_kh
+    first = context_len - q_len + first_token  # position of the tile's first token
+    kv_end = tl.minimum(first + TILE_TOKENS, context_len)  # keys from this on: seen by no row
+    if WINDOW:  # keys before the first row's window: seen by no row; every tile masked
+        full_start = tl.maximum(first - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        full_end = full_start
+    else:
+        full_start = 0
+        full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys before this: seen by every row
+    for start in range(full_start, full_end, BLOCK_N):
+        offs = token_offsets(table, start, full_end, stride_kn, stride_kp, P, BLOCK_N)
+        if D_PAD == D:
+            k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd)
+            v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd)
         else:
-            full_start = 0
-            full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys before this: seen by every row
-        for start in range(full_start, full_end, BLOCK_N):
-            offs = token_offsets(table, start, full_end, stride_kn, stride_kp, P, BLOCK_N)
-            if D_PAD == D:
-                k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd)
-                v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd)
-            else:
-                d_ok = (d < D)[None, :]
-                k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=d_ok, other=0.0)
-                v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=d_ok, other=0.0)
-            m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, True)
-        for start in range(full_end, kv_end, BLOCK_N):
-            offs = token_offsets(table, start, kv_end, stride_kn, stride_kp, P, BLOCK_N)
-            pos = start + tl.arange(0, BLOCK_N)
-            ok = pos < kv_end
-            if WINDOW:  # keys no row of the tile sees are not read (they may be another request's by now)
-                ok = ok & (pos > first - WINDOW)
-            kv_ok = lanes(ok, D, D_PAD)
-            k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
-            v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
-            visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
-            if WINDOW:
-                visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
-            m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, visible)
+            d_ok = (d < D)[None, :]
+            k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=d_ok, other=0.0)
+            v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=d_ok, other=0.0)
+        m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, True)
+    for start in range(full_end, kv_end, BLOCK_N):
+        offs = token_offsets(table, start, kv_end, stride_kn, stride_kp, P, BLOCK_N)
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < kv_end
+        if WINDOW:  # keys no row of the tile sees are not read (they may be another request's by now)
+            ok = ok & (pos > first - WINDOW)
+        kv_ok = lanes(ok, D, D_PAD)
+        k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+        v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+        visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+        m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, visible)
 
-        # Every row sees its own position, so row_sum > 0 on the rows stored.
-        o = acc / row_sum[:, None]
-        out_rows = (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :] * stride_od
-        tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=lanes(row_ok, D, D_PAD))
+    # Every row sees its own position, so row_sum > 0 on the rows stored.
+    o = acc / row_sum[:, None]
+    out_rows = (q_start + rows)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od
+    tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=lanes(row_ok, D, D_PAD))
 
 
 def kv_tile_tokens(D_PAD: int, element_size: int) -> int:
@@ -140,5 +207,40 @@ def prefill_attention(
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=H_q // H_kv, D=D, D_PAD=D_PAD, P=P, BLOCK_M=BLOCK_M, BLOCK_N=block_n, WINDOW=window or 0,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return out
+
+
+def grouped_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    window: int | None = None,
+) -> torch.Tensor:
+    """`prefill_attention` of every request, decodes included, with a KV head's GQA group in a program's rows.
+
+    One compiled program serves a decode (its one token's GROUP heads) and a prefill (BLOCK_M // GROUP
+    tokens of them) alike, so a token's sums run through the same instructions in the same order
+    however it is computed: the batch-invariant path (EngineConfig.deterministic). The rows and
+    tiles are the split decode kernel's (a K/V tile read once for the group; 16 rows, the fewest
+    tl.dot takes), which a batch of decodes, the bulk of a serving step, is bound by.
+    """
+    T_total, H_q, D = q.shape
+    _, P, H_kv, _ = k_cache.shape
+    assert k_cache.stride() == v_cache.stride()
+    group = H_q // H_kv
+    block_m = max(MIN_DOT, triton.next_power_of_2(group))
+    B = context_lens.shape[0]
+    _grouped_kernel[(T_total // (block_m // group) + B, H_kv)](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
+        scale * LOG2E, B,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
+        GROUP=group, D=D, D_PAD=padded_head_dim(D), P=P, BLOCK_M=block_m, BLOCK_N=SHALLOW_TILES.block_n,
+        WINDOW=window or 0, num_warps=DECODE_WARPS, num_stages=SHALLOW_TILES.num_stages,
     )
     return out
