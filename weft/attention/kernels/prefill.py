@@ -27,6 +27,7 @@ BLOCK_M = 128  # new tokens per program
 KV_TILE_BYTES = 128 * 128 * 2
 NUM_WARPS = 8
 NUM_STAGES = 2
+SEARCH = 256  # requests whose first tiles a grouped program compares at once
 
 
 # Values that change from step to step are not specialized on: no recompiling mid-run.
@@ -67,22 +68,21 @@ def _grouped_kernel(
     stride_table,
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SEARCH: tl.constexpr,
 ):
     # Request b's tiles are programs first_tile(b) = query_start_loc[b] // TILE_TOKENS + b on: they
     # rise with b, leave each request at least the tiles it needs, and end below T_total //
     # TILE_TOKENS + B, so the grid is fixed by the step's shape (a CUDA graph's) and no program is
-    # launched per (request, tile) pair that has no tokens. A binary search finds a program's request.
+    # launched per (request, tile) pair that has no tokens. A program's request is the last whose
+    # first tile is not past it: counted over SEARCH requests a load, not found by a binary search,
+    # whose dependent loads would hold up every decode program's start.
     TILE_TOKENS: tl.constexpr = BLOCK_M // GROUP
     tile = tl.program_id(0)
-    lo = tile * 0  # first_tile(lo) <= tile < first_tile(hi), first_tile(num_requests) taken as infinite
-    hi = lo + num_requests
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        before = tl.load(query_start_loc_ptr + mid) // TILE_TOKENS + mid <= tile
-        lo = tl.where(before, mid, lo)
-        hi = tl.where(before, hi, mid)
-    b = lo
+    b = tile * 0 - 1
+    for first in range(0, num_requests, SEARCH):
+        i = first + tl.arange(0, SEARCH)
+        starts = tl.load(query_start_loc_ptr + i, mask=i < num_requests, other=0) // TILE_TOKENS + i
+        b += tl.sum(((starts <= tile) & (i < num_requests)).to(tl.int32), 0)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     first_token = (tile - q_start // TILE_TOKENS - b) * TILE_TOKENS
@@ -134,8 +134,9 @@ def _attend_tile(
     else:
         full_start = 0
         full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys before this: seen by every row
+    # Each tile's block-table entries are fetched a tile ahead, so its K/V loads need not wait on them.
+    offs = token_offsets(table, full_start, full_end, stride_kn, stride_kp, P, BLOCK_N)
     for start in range(full_start, full_end, BLOCK_N):
-        offs = token_offsets(table, start, full_end, stride_kn, stride_kp, P, BLOCK_N)
         if D_PAD == D:
             k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd)
             v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd)
@@ -143,6 +144,7 @@ def _attend_tile(
             d_ok = (d < D)[None, :]
             k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=d_ok, other=0.0)
             v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=d_ok, other=0.0)
+        offs = token_offsets(table, start + BLOCK_N, full_end, stride_kn, stride_kp, P, BLOCK_N)
         m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, True)
     for start in range(full_end, kv_end, BLOCK_N):
         offs = token_offsets(table, start, kv_end, stride_kn, stride_kp, P, BLOCK_N)
@@ -241,6 +243,6 @@ def grouped_attention(
         scale * LOG2E, B,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=group, D=D, D_PAD=padded_head_dim(D), P=P, BLOCK_M=block_m, BLOCK_N=SHALLOW_TILES.block_n,
-        WINDOW=window or 0, num_warps=DECODE_WARPS, num_stages=SHALLOW_TILES.num_stages,
+        WINDOW=window or 0, SEARCH=SEARCH, num_warps=DECODE_WARPS, num_stages=SHALLOW_TILES.num_stages,
     )
     return out
