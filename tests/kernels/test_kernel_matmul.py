@@ -66,7 +66,8 @@ def test_the_plan_depends_on_n_and_k_alone_and_splits_only_where_a_tile_is_short
     assert p.splits * p.chunk_k >= 3072 > (p.splits - 1) * p.chunk_k  # every chunk holds some of K
     assert launch_for(1, 1024, 2048) == (DECODE_TILES, True)  # a decode splits its few tiles' K
     assert launch_for(4096, 1024, 2048) == (PREFILL_TILES, False)  # a prefill's large tiles fill the GPU
-    assert launch_for(256, 1024, 2048) == (DECODE_TILES, True)  # large tiles would not: small ones, split
+    assert launch_for(64, 1024, 2048) == (DECODE_TILES, True)  # a small tile's rows, split
+    assert launch_for(256, 1024, 2048) == (DECODE_TILES, False)  # large tiles would not fill it: small ones, whole
     assert launch_for(1, 151936, 1024) == (DECODE_TILES, False)  # one chunk: nothing to split
     assert launch_for(4096, 1024, 2048, torch.float32) == (FLOAT32_TILES, False)  # float32: small tiles at any M
     assert launch_for(1, 1024, 2048, torch.float32) == (FLOAT32_TILES, True)

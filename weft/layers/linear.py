@@ -74,15 +74,17 @@ def tile_choices(dtype: torch.dtype) -> tuple[Tiles, Tiles]:
 
 def launch_for(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> tuple[Tiles, bool]:
     """The tiles and grid for M rows of an [N, K] weight: the large tiles past the small ones' rows where they fill
-    a wave; else the small ones, run one program per chunk where their tiles alone leave the wave short (and there
-    are chunks). Whichever is chosen, the bits are the same."""
+    a wave; else the small ones, which rows that fit one of them (a decode's few) run one program per chunk where
+    their tiles alone leave the wave short (and there are chunks). Past one tile's rows the chunks' float32 partials,
+    M x N each, cost more than the programs they add: e8 deterministic 22,465 against 20,360 out tok/s split
+    (results/logs/h200_matmul_split_rows_5a225c1.log). Whichever is chosen, the bits are the same."""
     small, large = tile_choices(dtype)
 
     def programs(t: Tiles) -> int:
         return triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n)
 
-    if M > small.block_m and programs(large) >= WAVE:
-        return large, False
+    if M > small.block_m:
+        return (large if programs(large) >= WAVE else small), False
     tiles = programs(small)
     return small, plan(N, K).splits > 1 and tiles < WAVE and tiles <= COUNTERS
 

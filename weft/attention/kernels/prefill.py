@@ -68,26 +68,33 @@ def _grouped_kernel(
     stride_table,
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SEARCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SEARCH: tl.constexpr, H_KV: tl.constexpr,
 ):
-    # Request b's tiles are programs first_tile(b) = query_start_loc[b] // TILE_TOKENS + b on: they
-    # rise with b, leave each request at least the tiles it needs, and end below T_total //
-    # TILE_TOKENS + B, so the grid is fixed by the step's shape (a CUDA graph's) and no program is
-    # launched per (request, tile) pair that has no tokens. A program's request is the last whose
-    # first tile is not past it: counted over SEARCH requests a load, not found by a binary search,
-    # whose dependent loads would hold up every decode program's start.
+    # Request b's tiles are first_tile(b) = b + (query_start_loc[b] - b) // TILE_TOKENS on: they rise
+    # with b, leave each request at least the tiles it needs (a decode its one), and end below B +
+    # (T_total - B) // TILE_TOKENS, so the grid is fixed by the step's shape (a CUDA graph's) and no
+    # program is launched per (request, tile) pair that has no tokens. A tile's KV heads are
+    # neighbouring programs: they read neighbouring bytes of each cached token.
     TILE_TOKENS: tl.constexpr = BLOCK_M // GROUP
-    tile = tl.program_id(0)
-    b = tile * 0 - 1
-    for first in range(0, num_requests, SEARCH):
-        i = first + tl.arange(0, SEARCH)
-        starts = tl.load(query_start_loc_ptr + i, mask=i < num_requests, other=0) // TILE_TOKENS + i
-        b += tl.sum(((starts <= tile) & (i < num_requests)).to(tl.int32), 0)
+    tile = tl.program_id(0) // H_KV
+    h_kv = tl.program_id(0) % H_KV
+    # Tile b is request b's first where every request before it brings one token (decodes first),
+    # and tiles past the last request's first are its: checked with a load its tokens need anyway.
+    # Else the request is the last whose first tile is not past the tile, counted SEARCH at a time.
+    b = tl.minimum(tile, num_requests - 1)
     q_start = tl.load(query_start_loc_ptr + b)
-    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    first_token = (tile - q_start // TILE_TOKENS - b) * TILE_TOKENS
+    q_end = tl.load(query_start_loc_ptr + b + 1)
+    if q_start != b:
+        b = tile * 0 - 1
+        for first in range(0, num_requests, SEARCH):
+            i = first + tl.arange(0, SEARCH)
+            starts = i + (tl.load(query_start_loc_ptr + i, mask=i < num_requests, other=0) - i) // TILE_TOKENS
+            b += tl.sum(((starts <= tile) & (i < num_requests)).to(tl.int32), 0)
+        q_start = tl.load(query_start_loc_ptr + b)
+        q_end = tl.load(query_start_loc_ptr + b + 1)
+    q_len = q_end - q_start
+    first_token = (tile - b - (q_start - b) // TILE_TOKENS) * TILE_TOKENS
     if first_token < q_len:
-        h_kv = tl.program_id(1)
         r = tl.arange(0, BLOCK_M)  # row r: token r // GROUP of the tile, query head r % GROUP of the KV head's group
         rows = first_token + r // GROUP
         _attend_tile(
@@ -238,11 +245,11 @@ def grouped_attention(
     group = H_q // H_kv
     block_m = max(MIN_DOT, triton.next_power_of_2(group))
     B = context_lens.shape[0]
-    _grouped_kernel[(T_total // (block_m // group) + B, H_kv)](
+    _grouped_kernel[(H_kv * (B + (T_total - B) // (block_m // group)),)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
         scale * LOG2E, B,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=group, D=D, D_PAD=padded_head_dim(D), P=P, BLOCK_M=block_m, BLOCK_N=SHALLOW_TILES.block_n,
-        WINDOW=window or 0, SEARCH=SEARCH, num_warps=DECODE_WARPS, num_stages=SHALLOW_TILES.num_stages,
+        WINDOW=window or 0, SEARCH=SEARCH, H_KV=H_kv, num_warps=DECODE_WARPS, num_stages=SHALLOW_TILES.num_stages,
     )
     return out
