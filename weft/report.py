@@ -340,16 +340,18 @@ def kernel_notes(df: pd.DataFrame) -> list[str]:
 
 
 def determinism_notes(df: pd.DataFrame) -> list[str]:
-    """e16: deterministic over default, output tok/s on e8's workload and ITL p50 alone (the same run)."""
+    """e16: deterministic over default, output tok/s on e8's workload and ITL p50 alone (the same run), per model."""
     notes = []
-    for kind, metric, name, scale, unit in (("e8", "output_tok_s", "output tok/s", 1, ""),
-                                            ("b1", "itl_p50_s", "ITL p50", 1e3, " ms")):
-        rows = df[df["workload_kind"] == kind]
-        on, off = rows[rows["deterministic"] == True], rows[rows["deterministic"] == False]  # noqa: E712 (a column)
-        if len(on) == len(off) == 1:
-            a, b = on[metric].iloc[0], off[metric].iloc[0]
-            notes.append(f"{kind}, {name}, deterministic ÷ default: {a * scale:,.{3 if scale > 1 else 0}f} ÷ "
-                         f"{b * scale:,.{3 if scale > 1 else 0}f}{unit} = {a / b:.2f}×.")
+    for model, by_model in df.groupby("model", sort=False):
+        for kind, metric, name, scale, unit in (("e8", "output_tok_s", "output tok/s", 1, ""),
+                                                ("b1", "itl_p50_s", "ITL p50", 1e3, " ms")):
+            rows = by_model[by_model["workload_kind"] == kind]
+            on, off = rows[rows["deterministic"] == True], rows[rows["deterministic"] == False]  # noqa: E712
+            if len(on) == len(off) == 1:
+                a, b = on[metric].iloc[0], off[metric].iloc[0]
+                digits = 3 if scale > 1 else 0
+                notes.append(f"{model}, {kind}, {name}, deterministic ÷ default: {a * scale:,.{digits}f} ÷ "
+                             f"{b * scale:,.{digits}f}{unit} = {a / b:.2f}×.")
     return notes
 
 

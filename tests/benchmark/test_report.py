@@ -10,7 +10,7 @@ import pytest
 from weft.benchmark import charts
 from weft.benchmark.claims import claims
 from weft.benchmark.results import gather, normalize
-from weft.report import main
+from weft.report import determinism_notes, main
 
 SERVING = dict(
     engine="weft", scheduler="continuous", attention="paged", model="m", dtype="bfloat16", pool_blocks=10,
@@ -493,3 +493,18 @@ def test_e15_itl_shows_each_model_over_its_floor_and_divides_the_dense_families(
     assert "| qwen3-30b-a3b | continuous×triton | 2.9 | 6.1 | 1.45 | 2 |" in e15  # ITL ÷ its weights floor
     assert "ITL p50, llama-3.1-8b ÷ qwen3-8b: 3.90 ÷ 3.80 ms = 1.03× (weights read per step: 0.99×)." in e15
     assert "qwen3-30b-a3b ÷" not in e15 and "÷ qwen3-30b-a3b" not in e15  # a mixture of experts is no dense peer
+
+
+def test_the_determinism_notes_give_each_models_ratios():
+    rows = [serving("e16", "continuous×triton", model=m, workload_kind=kind, deterministic=on,
+                    output_tok_s=tok * (0.9 if on else 1.0), itl_p50_s=itl * (1.1 if on else 1.0))
+            for m, tok, itl in (("small", 1000.0, 0.002), ("large", 400.0, 0.004))
+            for kind in ("e8", "b1") for on in (False, True)]
+    notes = determinism_notes(pd.DataFrame(rows))
+    assert notes == [
+        "small, e8, output tok/s, deterministic ÷ default: 900 ÷ 1,000 = 0.90×.",
+        "small, b1, ITL p50, deterministic ÷ default: 2.200 ÷ 2.000 ms = 1.10×.",
+        "large, e8, output tok/s, deterministic ÷ default: 360 ÷ 400 = 0.90×.",
+        "large, b1, ITL p50, deterministic ÷ default: 4.400 ÷ 4.000 ms = 1.10×.",
+    ]
+    assert charts.e16(pd.DataFrame(rows)) is not None

@@ -239,13 +239,17 @@ def e9(df: pd.DataFrame) -> Figure:
 
 
 def e16(df: pd.DataFrame) -> Figure:
-    """What deterministic=True costs: e8's output tok/s, and one request's ITL, each config beside the other."""
-    fig, (tok, itl) = _figure(2)
+    """What deterministic=True costs: e8's output tok/s, and one request's ITL, each config beside the other, per
+    model."""
+    fig, axes = _figure(2)
     df = _with_ms(df)
-    _bars(tok, df[df["workload_kind"] == "e8"], *THROUGHPUT)
-    tok.set_title("e8's workload")
-    _bars(itl, df[df["workload_kind"] == "b1"], *ITL)
-    itl.set_title("one request alone")
+    for ax, kind, (y, ylabel), title in zip(axes, ("e8", "b1"), (THROUGHPUT, ITL),
+                                            ("e8's workload", "one request alone"), strict=True):
+        sns.barplot(data=df[df["workload_kind"] == kind], x="model", y=y, hue="config", ax=ax)
+        ax.set_xlabel("")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize="x-small")
     return fig
 
 
