@@ -123,7 +123,9 @@ def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, K, stride_xm, stride_wn, CHU
     return acc
 
 
-@triton.jit
+# M changes from step to step: not specialized on (M == 1, M % 16), or a serving run meets new variants, each a
+# compile of a second or so inside its timed steps (results/logs/h200_e16_compiles_ff4089a.log).
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     SPLITS: tl.constexpr, CHUNK_K: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr,
