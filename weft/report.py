@@ -107,7 +107,7 @@ TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns
                                       "ttft_p50_s"]),
     "e15_kernel": (["model", "B", "top_k", "num_experts", "experts_touched"],
                    ["time_s", "with_grouping_s", "bytes", "gbps", "pct_of_copy"]),
-    "e16": (["workload_kind", "config"], ["output_tok_s", "itl_p50_s", "ttft_p50_s", "makespan_s", *FLOOR]),
+    "e16": (["model", "workload_kind", "config"], ["output_tok_s", "itl_p50_s", "ttft_p50_s", "makespan_s", *FLOOR]),
 }
 COMPARED = ["output_tok_s", "makespan_s", "ttft_p50_s", "itl_p50_s", "gbps", "time_s"]
 
