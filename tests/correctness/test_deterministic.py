@@ -1,10 +1,16 @@
 """deterministic=True (issue 33): a request's tokens and logprobs are the same bits alone and inside every
 configuration weft.determinism runs (together, arriving a step apart, in a crowd, from the prefix cache, in odd
-chunks, preempted, without the overlap); without it they are not (the negative controls), so the gate can fail."""
+chunks, preempted, without the overlap), and over HTTP from a server process as offline; without it they are not
+(the negative controls), so the gate can fail."""
 
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
 import pytest
 
+from tests.serve.servers import weft_server
 from weft import LLM
+from weft.cli import engine_flags
 from weft.conformance import deterministic_cases, hf_greedy, run_case
 from weft.determinism import completion, determinism_params, determinism_prompts, run_gate
 from weft.models.loader import resolve_model
@@ -36,6 +42,36 @@ def alike_alone_and_together(model, options, count, lengths, max_tokens) -> int:
         alone = [completion(llm.generate([p], sp, use_tqdm=False)[0]) for p, sp in zip(prompts, params, strict=True)]
         together = [completion(o) for o in llm.generate(prompts, params, use_tqdm=False)]
     return sum(a == b for a, b in zip(alone, together, strict=True))
+
+
+@pytest.mark.serve
+def test_over_http_a_request_keeps_its_bits_process_to_process(device):
+    """`weft serve --deterministic` (its own process) answers each request, sent alone and then all at once, with
+    the tokens and logprobs the engine gives it offline here."""
+    options = dict(attention="triton" if device.type == "cuda" else "paged", dtype="bfloat16", device=device.type,
+                   deterministic=True, num_blocks=128, block_size=16, max_num_seqs=16, max_model_len=512)
+    prompts = determinism_prompts(resolve_model("tiny-qwen3").config.V, 8, CPU_LENGTHS)
+    params = determinism_params(len(prompts), TOKENS)
+    with LLM("tiny-qwen3", **options) as llm:
+        offline = [completion(llm.generate([p], sp, use_tqdm=False)[0]) for p, sp in zip(prompts, params, strict=True)]
+    with weft_server("tiny-qwen3", *engine_flags(options)) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+
+        def ask(i: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+            sp = params[i]
+            sampled = dict(top_p=sp.top_p, seed=sp.seed) if sp.seed is not None else {}
+            choice = client.completions.create(
+                model="tiny-qwen3", prompt=prompts[i], max_tokens=sp.max_tokens, temperature=sp.temperature,
+                logprobs=0, extra_body={"ignore_eos": True, "return_token_ids": True}, **sampled,
+            ).choices[0]
+            return tuple(choice.token_ids), tuple(choice.logprobs.token_logprobs)
+
+        alone = [ask(i) for i in range(len(prompts))]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(ask, range(len(prompts))))
+    assert len({tokens for tokens, _ in offline}) == len(prompts)  # eight different completions compared
+    assert alone == offline
+    assert together == offline
 
 
 def test_without_it_requests_differ_on_the_cpu():
