@@ -221,17 +221,12 @@ def prefill_attention(
 
 
 def grouped_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float, out: torch.Tensor,
     window: int | None = None,
 ) -> torch.Tensor:
-    """`prefill_attention` of every request, decodes included, with a KV head's GQA group in a program's rows.
+    """`prefill_attention` (q [T_total, H_q, D] over k_cache/v_cache [N, P, H_kv, D] -> out [T_total, H_q, D]) of
+    every request, decodes included, with a KV head's GQA group in a program's rows.
 
     One compiled program serves a decode (its one token's GROUP heads) and a prefill (BLOCK_M // GROUP
     tokens of them) alike, so a token's sums run through the same instructions in the same order
