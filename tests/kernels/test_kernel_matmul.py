@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from weft.attention.padded import attend_invariant
 from weft.layers.linear import (
@@ -14,10 +15,13 @@ from weft.layers.linear import (
     DECODE_TILES,
     FLOAT32_TILES,
     PREFILL_TILES,
+    Linear,
     batch_invariant_linear,
     launch_for,
+    launch_variants,
     matmul_kernel,
     plan,
+    prepare,
     tile_choices,
 )
 
@@ -71,6 +75,28 @@ def test_the_plan_depends_on_n_and_k_alone_and_splits_only_where_a_tile_is_short
     assert launch_for(1, 151936, 1024) == (DECODE_TILES, False)  # one chunk: nothing to split
     assert launch_for(4096, 1024, 2048, torch.float32) == (FLOAT32_TILES, False)  # float32: small tiles at any M
     assert launch_for(1, 1024, 2048, torch.float32) == (FLOAT32_TILES, True)
+
+
+@pytest.mark.parametrize("shape", [(4096, 1024), (1024, 2048), (151936, 1024), (64, 256), (6144, 2560)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_launch_variants_are_every_launch_any_row_count_makes(shape, dtype):
+    """What `prepare` compiles at start: every (tiles, split) some M up to the step's rows is launched with."""
+    N, K = shape
+    for max_rows in (1, 31, 64, 65, 300, 8192):
+        assert launch_variants(N, K, dtype, max_rows) == {launch_for(M, N, K, dtype) for M in range(1, max_rows + 1)}
+
+
+@pytest.mark.gpu
+def test_after_prepare_no_row_count_compiles_a_kernel(device, monkeypatch):
+    """A serving run compiles nothing in its steps: prepare compiled every launch up to its rows."""
+    layer = Linear(1024, 4096, bias=True).to(device, torch.bfloat16)
+    layer.batch_invariant = True
+    prepare(layer, device, 300)
+    compiled = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", lambda **kw: compiled.append(kw["fn"].name))
+    for M in (1, 7, 64, 65, 200, 300):
+        layer(torch.randn(M, 1024, device=device, dtype=torch.bfloat16))
+    assert compiled == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -95,14 +95,14 @@ def test_prefill_within_a_sliding_window(device, run, window, dtype):
     assert_matches(run(case, window), reference(case, 64**-0.5, window))
 
 
-# How one request of 300 tokens is cut into steps: (new tokens, context) of each of its pieces,
+# How one request of 160 tokens is cut into steps: (new tokens, context) of each of its pieces,
 # which sit in one step beside the others listed with them (other pieces of the same request).
 STEPS = [
-    [(300, 300)],  # prefilled whole
-    [(1, 300)],  # its last token decoded alone
-    [(1, 300), (1, 1), (1, 64), (1, 65), (1, 129)],  # decoded beside other decodes
-    [(1, 300), (77, 200), (1, 64), (23, 23), (150, 299)],  # beside prefills, in one launch
-    [(37, 37), (63, 100), (64, 164), (136, 300)],  # chunks of any size
+    [(160, 160)],  # prefilled whole
+    [(1, 160)],  # its last token decoded alone
+    [(1, 160), (1, 1), (1, 64), (1, 65), (1, 129)],  # decoded beside other decodes
+    [(1, 160), (77, 100), (1, 64), (23, 23), (90, 159)],  # beside prefills, in one launch
+    [(37, 37), (27, 64), (64, 128), (32, 160)],  # chunks of any size
 ]
 
 
@@ -110,7 +110,7 @@ STEPS = [
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu)])
 def test_grouped_keeps_each_tokens_bits(device, group, D, dtype):
     """A token's output is the same bits whichever step computes it: whole, chunked, decoded, beside anything."""
-    whole = make_case(2 * group, 2, D, 16, [300], [300], dtype, device, group + D)
+    whole = make_case(2 * group, 2, D, 16, [160], [160], dtype, device, group + D)
     expected = run_grouped(whole)
     assert_matches(expected, reference(whole, D**-0.5))
     for step in STEPS:

@@ -106,7 +106,7 @@ def _load_slice(config: EngineConfig, source: ModelSource, tp: TensorParallel, d
     source.load_into(model)
     model.use_kernels(config.enable_fused_layers)
     model.use_batch_invariant(config.deterministic)
-    linear.prepare(device)
+    linear.prepare(model, device, config.max_num_batched_tokens)
     return model
 
 

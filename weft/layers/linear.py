@@ -189,10 +189,32 @@ def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
-def prepare(device: torch.device) -> None:
-    """Allocate the device's counters now, outside any CUDA graph capture."""
-    if device.type == "cuda":
-        _counters(device)
+def launch_variants(N: int, K: int, dtype: torch.dtype, max_rows: int) -> set[tuple[Tiles, bool]]:
+    """Every (tiles, split) `launch_for` picks for 1 .. max_rows rows of an [N, K] weight. Within one small tile's
+    rows and past them, its choice changes once at most as M grows (programs only grow with M), so the ends of
+    both ranges hold every choice."""
+    rows = (1, tile_choices(dtype)[0].block_m)
+    return {launch_for(M, N, K, dtype) for M in (*rows, rows[1] + 1, max_rows) if M <= max_rows}
+
+
+def prepare(model: nn.Module, device: torch.device, max_rows: int) -> None:
+    """Allocate the device's counters, and compile each launch `model`'s batch-invariant layers may make for up to
+    `max_rows` rows, now: outside any CUDA graph capture, and not in a step (the LM head, run eagerly on each
+    step's rows, met its few-row tiles only once a run's batch had shrunk: results/logs/h200_9c50836_e16.log)."""
+    if device.type != "cuda":
+        return
+    _counters(device)
+    compiled = set()
+    for layer in model.modules():
+        if not (isinstance(layer, Linear) and layer.batch_invariant):
+            continue
+        w, b = layer.weight, layer.bias
+        N, K = w.shape
+        for tiles, split in launch_variants(N, K, w.dtype, max_rows):
+            launch = (N, K, w.dtype, b is not None, tiles, split)
+            if launch not in compiled:
+                compiled.add(launch)
+                matmul_kernel(torch.zeros(1, K, dtype=w.dtype, device=device), w, b, split=split, tiles=tiles)
 
 
 def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
