@@ -76,8 +76,8 @@ def launch_for(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> t
     """The tiles and grid for M rows of an [N, K] weight: the large tiles past the small ones' rows where they fill
     a wave; else the small ones, which rows that fit one of them (a decode's few) run one program per chunk where
     their tiles alone leave the wave short (and there are chunks). Past one tile's rows the chunks' float32 partials,
-    M x N each, cost more than the programs they add: e8 deterministic 22,465 against 20,360 out tok/s split
-    (results/logs/h200_matmul_split_rows_5a225c1.log). Whichever is chosen, the bits are the same."""
+    M x N each, cost more than the programs they add (results/logs/h200_matmul_split_rows_5a225c1.log). Whichever
+    is chosen, the bits are the same."""
     small, large = tile_choices(dtype)
 
     def programs(t: Tiles) -> int:
@@ -124,7 +124,7 @@ def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, K, stride_xm, stride_wn, CHU
 
 
 # M changes from step to step: not specialized on (M == 1, M % 16), or a serving run meets new variants, each a
-# compile of a second or so inside its timed steps (results/logs/h200_e16_compiles_ff4089a.log).
+# compile, inside its steps (results/logs/h200_e16_compiles_ff4089a.log).
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
