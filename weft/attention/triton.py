@@ -75,9 +75,7 @@ class TritonBackend(PagedSlab[TritonStep]):
         table, ctx = meta.block_tables, meta.context_lens
         window = self.cfg.sliding_window if layer in self.cfg.window_layers else None
         if self.batch_invariant:
-            return grouped_attention(
-                q, k_cache, v_cache, table, meta.query_start_loc, ctx, self.scale, out, window
-            )
+            return grouped_attention(q, k_cache, v_cache, table, meta.query_start_loc, ctx, self.scale, out, window)
         decodes = 0 if step.splits is None else meta.num_decodes
         if decodes:
             decode_attention(q, k_cache, v_cache, table, ctx, self.scale, step.splits, out, window)

@@ -58,7 +58,7 @@ def _prefill_kernel(
         )
 
 
-# The batch's size and its new tokens' count change from step to step: not specialized on.
+# The batch's size and the block table's width change from step to step: not specialized on.
 @triton.jit(do_not_specialize=["num_requests", "stride_table"])
 def _grouped_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, query_start_loc_ptr, context_lens_ptr,
