@@ -37,8 +37,8 @@ def _lines(ax: Axes, df: pd.DataFrame, x: str, y: str, hue: str, ylabel: str, st
     ax.set_ylim(bottom=0)
 
 
-def _bars(ax: Axes, df: pd.DataFrame, y: str, ylabel: str) -> None:
-    sns.barplot(data=df, x="config", y=y, hue="config", ax=ax)
+def _bars(ax: Axes, df: pd.DataFrame, y: str, ylabel: str, x: str = "config") -> None:
+    sns.barplot(data=df, x=x, y=y, hue="config", ax=ax)
     ax.set_xlabel("")
     ax.set_ylabel(ylabel)
     ax.tick_params(axis="x", labelrotation=20)
@@ -245,9 +245,7 @@ def e16(df: pd.DataFrame) -> Figure:
     df = _with_ms(df)
     for ax, kind, (y, ylabel), title in zip(axes, ("e8", "b1"), (THROUGHPUT, ITL),
                                             ("e8's workload", "one request alone"), strict=True):
-        sns.barplot(data=df[df["workload_kind"] == kind], x="model", y=y, hue="config", ax=ax)
-        ax.set_xlabel("")
-        ax.set_ylabel(ylabel)
+        _bars(ax, df[df["workload_kind"] == kind], y, ylabel, x="model")
         ax.set_title(title)
         ax.legend(fontsize="x-small")
     return fig
