@@ -4,19 +4,30 @@ row-block path and of the batch-invariant attention (weft/attention/padded.py)."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 import triton
 
 from weft.attention.padded import attend_invariant
+from weft.benchmark.tune_gemm import layer_shapes
 from weft.layers.linear import (
     BLOCK_K,
+    DECODE_ROWS,
+    DECODE_TABLE,
     DECODE_TILES,
     FLOAT32_TILES,
     PREFILL_TILES,
+    DecodeLaunch,
     Linear,
+    Tiles,
     batch_invariant_linear,
+    chunks,
+    decode_launch,
+    decode_matmul,
+    decode_table,
     launch_for,
     launch_variants,
     matmul_kernel,
@@ -99,6 +110,48 @@ def test_after_prepare_no_row_count_compiles_a_kernel(device, monkeypatch):
     for M in (1, 7, 64, 65, 200, 300):
         layer(torch.randn(M, 768, device=device, dtype=torch.bfloat16))
     assert compiled == []
+
+
+# decode launches: one chunk, chunks that divide K, a last chunk past K's end; narrow and wide tiles
+DECODE_LAUNCHES = [DecodeLaunch(Tiles(DECODE_ROWS, n, 4, 3), k, s, DECODE_ROWS)
+                   for n, k, s in ((16, 64, 1), (32, 128, 4), (64, 64, 3))]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
+@pytest.mark.parametrize("launch", DECODE_LAUNCHES, ids=lambda d: f"{d.tiles.block_n}x{d.block_k}s{d.splits}")
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_decode_launches_match_float64_and_a_rows_bits_do_not_follow_m(device, dtype, launch, bias):
+    """The default mode's decode GEMM: any tuned launch is a correct product, and its order is fixed by the launch
+    (for a weight, by (N, K)), so a row gets the same bits beside 0 or 15 others."""
+    N, K = 200, 1000
+    x, w, b = operands(N, K, dtype, device, bias, M=DECODE_ROWS)
+    full = decode_matmul(x, w, b, launch)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-3)
+    assert ((full.double() - want) / scale).abs().max() <= TOL[dtype]
+    assert chunks(K, launch.block_k, launch.splits).splits == launch.splits  # the cases split as they say
+    for offset, M in ((0, 1), (7, 1), (3, 5)):
+        assert torch.equal(decode_matmul(x[offset : offset + M].contiguous(), w, b, launch), full[offset : offset + M])
+
+
+def test_the_decode_table_names_real_layers_and_reads_back_what_the_tuner_writes():
+    """Every tuned entry's (N, K) is a layer of a tuned model (layer_shapes as the models build them), and a launch
+    survives the table's round trip; off CUDA, and on a GPU never tuned, the layers keep cuBLAS."""
+    from weft.models.llama import LlamaForCausalLM
+    from weft.models.loader import resolve_model
+
+    cfg = resolve_model("tiny-qwen3").config
+    model = LlamaForCausalLM(cfg)
+    built = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)}
+    assert set(layer_shapes(cfg).values()) == built
+    launch = DECODE_LAUNCHES[1]
+    assert DecodeLaunch.from_record(launch.record()) == launch
+    assert decode_table("no such GPU", torch.bfloat16) == {}
+    assert decode_launch(1, torch.zeros(4096, 1024)) is None  # on the CPU
+    for gpu, dtypes in json.loads(DECODE_TABLE.read_text()).items():
+        for dtype in dtypes:
+            for launch in decode_table(gpu, getattr(torch, dtype)).values():
+                assert 1 <= launch.max_rows <= DECODE_ROWS and launch.tiles.block_m == DECODE_ROWS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,12 +14,19 @@ batched). `batch_invariant_linear` fixes every choice that touches a row's sums 
   same numbers in the same order, so they agree bit for bit (tests/kernels/test_kernel_matmul.py).
 - Elsewhere, PyTorch's matmul over fixed blocks of ROWS rows (padded with zeros): every block is
   the same shape, so the BLAS runs the same kernel on each.
+
+The same kernel serves the default mode's decodes: at up to DECODE_ROWS rows a linear layer reads its whole weight
+to compute little, and cuBLAS reads it well below the copy bandwidth (issue 34). There each weight shape launches
+as the tuner (weft.benchmark.tune_gemm) found fastest on this GPU, where that beat cuBLAS: `DecodeLaunch`, from the
+committed DECODE_TABLE.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,17 +39,24 @@ PLAN_BLOCK_N = 64  # the tile width `plan` counts programs in (whatever width a 
 PROGRAMS = 256  # the programs a one-tile decode should spread over (about two per SM on an H200's 132)
 COUNTERS = 4096  # arrival counters per device: the most tiles a split launch may have
 ROWS = 16  # the CPU's row block
+DECODE_ROWS = 16  # the most rows a tuned decode launch serves: one tile of mma.sync's 16 rows
+# {gpu: {dtype: {"NxK": launch}}}, as weft.benchmark.tune_gemm writes it
+DECODE_TABLE = Path(__file__).with_name("decode_gemms.json")
 
 
 class Linear(nn.Linear):
-    """nn.Linear, or with `batch_invariant` set (EngineConfig.deterministic) `batch_invariant_linear`."""
+    """nn.Linear; with `batch_invariant` set (EngineConfig.deterministic) `batch_invariant_linear`; else with
+    `kernels` set (EngineConfig.enable_fused_layers) a decode's few rows by the tuned launch where one beats cuBLAS."""
 
     batch_invariant = False
+    kernels = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features]"""
         if self.batch_invariant:
             return batch_invariant_linear(x, self.weight, self.bias)
+        if self.kernels and (launch := decode_launch(x.shape[0], self.weight)) is not None:
+            return decode_matmul(x.contiguous(), self.weight, self.bias, launch)
         return super().forward(x)
 
 
@@ -103,18 +117,22 @@ def plan(N: int, K: int) -> MatmulPlan:
     reach PROGRAMS, each chunk at least two BLOCK_K steps. Depends on N and K only, never on M."""
     tiles = triton.cdiv(N, PLAN_BLOCK_N)
     steps = triton.cdiv(K, BLOCK_K)
-    want = max(1, min(PROGRAMS // tiles, steps // 2))
-    chunk_k = triton.cdiv(steps, want) * BLOCK_K
+    return chunks(K, BLOCK_K, max(1, min(PROGRAMS // tiles, steps // 2)))
+
+
+def chunks(K: int, block_k: int, want: int) -> MatmulPlan:
+    """K in about `want` chunks of whole block_k steps (fewer where the steps do not divide evenly)."""
+    chunk_k = triton.cdiv(triton.cdiv(K, block_k), want) * block_k
     return MatmulPlan(triton.cdiv(K, chunk_k), chunk_k)
 
 
 @triton.jit
-def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, K, stride_xm, stride_wn, CHUNK_K: tl.constexpr,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x[rows, start : start + CHUNK_K] @ w[cols, same]^T [BLOCK_M, BLOCK_N] in float32, summed from 0 a BLOCK_K at a
+def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, chunk_k, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[rows, start : start + chunk_k] @ w[cols, same]^T [BLOCK_M, BLOCK_N] in float32, summed from 0 a BLOCK_K at a
     time (columns at or past K and rows at or past M read as 0)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(start, start + CHUNK_K, BLOCK_K):
+    for k0 in range(start, start + chunk_k, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -124,11 +142,12 @@ def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, K, stride_xm, stride_wn, CHU
 
 
 # M changes from step to step: not specialized on (M == 1, M % 16), or a serving run meets new variants, each a
-# compile, inside its steps (results/logs/h200_e16_compiles_ff4089a.log).
-@triton.jit(do_not_specialize=["M"])
+# compile, inside its steps (results/logs/h200_e16_compiles_ff4089a.log). The plan's splits and chunk are arguments
+# too, so that one compiled tile serves every weight.
+@triton.jit(do_not_specialize=["M", "splits"])
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    SPLITS: tl.constexpr, CHUNK_K: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    splits, chunk_k, CHUNKED: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Rows past M are masked (a decode's one row loads one row); columns past N are clamped: they read real memory,
@@ -143,15 +162,15 @@ def _matmul_kernel(
     out_ok = row_ok[:, None] & (cols < N)[None, :]
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SPLIT_GRID:
-        acc = _chunk(x_ptr, w_ptr, rows, row_ok, cols_in, split * CHUNK_K, K, stride_xm, stride_wn, CHUNK_K, BLOCK_M,
-                     BLOCK_N, BLOCK_K)
+        acc = _chunk(x_ptr, w_ptr, rows, row_ok, cols_in, split * chunk_k, chunk_k, K, stride_xm, stride_wn,
+                     BLOCK_M, BLOCK_N, BLOCK_K)
         at = rows[:, None] * N + cols[None, :]
         tl.store(partials_ptr + split * M * N + at, acc, mask=out_ok)
         tl.debug_barrier()  # every thread's partials are issued before the arrival counts
         counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
-        last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1
         if last:
-            for s in range(SPLITS):  # the last to arrive adds the chunks in order
+            for s in range(splits):  # the last to arrive adds the chunks in order
                 total += tl.load(partials_ptr + s * M * N + at, mask=out_ok, other=0.0, cache_modifier=".cg")
             tl.store(counter, 0)  # ready for the next launch
             _store(out_ptr, bias_ptr, total, rows, cols, cols_in, out_ok, stride_om, HAS_BIAS)
@@ -159,18 +178,18 @@ def _matmul_kernel(
         # One loop over every chunk's steps (so loads run ahead across chunk ends): at a chunk's last step its sum
         # joins the total and starts again from 0, by selects, which change no bits.
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        STEPS: tl.constexpr = CHUNK_K // BLOCK_K
-        for i in range(0, SPLITS * STEPS):
+        steps = chunk_k // BLOCK_K
+        for i in range(0, splits * steps):
             k = i * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = k < K
             a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_ptr + cols_in[None, :] * stride_wn + k[:, None], mask=k_ok[:, None], other=0.0)
             acc = tl.dot(a, b, acc, input_precision="ieee")
-            if SPLITS > 1:
-                end = i % STEPS == STEPS - 1
+            if CHUNKED:
+                end = i % steps == steps - 1
                 total = tl.where(end, total + acc, total)
                 acc = tl.where(end, 0.0, acc)
-        if SPLITS == 1:  # one chunk: its sum joins the total after the loop
+        if not CHUNKED:  # one chunk: its sum joins the total after the loop
             total += acc
         _store(out_ptr, bias_ptr, total, rows, cols, cols_in, out_ok, stride_om, HAS_BIAS)
 
@@ -219,15 +238,23 @@ def prepare(model: nn.Module, device: torch.device, max_rows: int) -> None:
 
 def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   split: bool | None = None, tiles: Tiles | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, by the Triton kernel; `split`, `tiles`: force
-    the grid and the tiles (None: `launch_for`'s choice)."""
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, by the Triton kernel in the batch-invariant
+    order (`plan`); `split`, `tiles`: force the grid and the tiles (None: `launch_for`'s choice)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    p = plan(N, K)
+    chosen_tiles, chosen_split = launch_for(M, N, K, x.dtype)
+    split = chosen_split if split is None else split and p.splits > 1
+    return _launch(x, weight, bias, tiles or chosen_tiles, BLOCK_K, p, split)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: Tiles, block_k: int,
+            p: MatmulPlan, split: bool) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N]: `t`'s tiles summing p's chunks of K in block_k steps, one
+    program per chunk (`split`) or per tile."""
     M, K = x.shape
     N = weight.shape[0]
     assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == K
-    p = plan(N, K)
-    chosen_tiles, chosen_split = launch_for(M, N, K, x.dtype)
-    t = tiles or chosen_tiles
-    split = chosen_split if split is None else split and p.splits > 1
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
@@ -238,8 +265,8 @@ def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _matmul_kernel[grid](
         x, weight, bias if bias is not None else weight, out, partials, counters, M, N, K,
         x.stride(0), weight.stride(0), out.stride(0),
-        SPLITS=p.splits, CHUNK_K=p.chunk_k, SPLIT_GRID=split, HAS_BIAS=bias is not None,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=BLOCK_K, num_warps=t.num_warps, num_stages=t.num_stages,
+        p.splits, p.chunk_k, CHUNKED=p.splits > 1, SPLIT_GRID=split, HAS_BIAS=bias is not None,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
 
@@ -252,3 +279,52 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     blocks = F.pad(x, (0, 0, 0, -T % ROWS)).view(-1, ROWS, K)
     y = torch.matmul(blocks, weight.t()).flatten(0, 1)[:T]
     return y if bias is None else y + bias
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """A launch for up to `max_rows` rows (at most DECODE_ROWS) of one [N, K] weight: `tiles` summing K in `splits`
+    chunks of block_k steps, one program per chunk where there are several. A weight-bound regime: the tiles are
+    narrow and the chunks many, so that enough programs stream the weight at once."""
+
+    tiles: Tiles
+    block_k: int
+    splits: int
+    max_rows: int
+
+    def record(self) -> dict:
+        """The table's entry (DECODE_TABLE)."""
+        return dict(asdict(self), tiles={k: v for k, v in asdict(self.tiles).items() if k != "block_m"})
+
+    @staticmethod
+    def from_record(entry: dict) -> DecodeLaunch:
+        return DecodeLaunch(**{**entry, "tiles": Tiles(DECODE_ROWS, **entry["tiles"])})
+
+
+@functools.cache
+def decode_table(gpu: str, dtype: torch.dtype) -> dict[tuple[int, int], DecodeLaunch]:
+    """(N, K) -> the launch the tuner found faster than cuBLAS on `gpu` (torch.cuda.get_device_name's) for weights
+    of `dtype`; empty for a GPU or dtype never tuned, whose layers keep cuBLAS."""
+    table = json.loads(DECODE_TABLE.read_text()).get(gpu, {}).get(str(dtype).removeprefix("torch."), {})
+    return {tuple(map(int, shape.split("x"))): DecodeLaunch.from_record(entry) for shape, entry in table.items()}
+
+
+@functools.cache
+def _gpu_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def decode_launch(M: int, weight: torch.Tensor) -> DecodeLaunch | None:
+    """The tuned launch for M rows of `weight` [N, K] on its GPU; None off CUDA, past the launch's rows, or where
+    cuBLAS was as fast."""
+    if M > DECODE_ROWS or not weight.is_cuda:
+        return None
+    launch = decode_table(_gpu_name(weight.device.index), weight.dtype).get(tuple(weight.shape))
+    return launch if launch is not None and M <= launch.max_rows else None
+
+
+def decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  launch: DecodeLaunch) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] by `launch` (M <= DECODE_ROWS)."""
+    p = chunks(x.shape[1], launch.block_k, launch.splits)
+    return _launch(x, weight, bias, launch.tiles, launch.block_k, p, p.splits > 1)

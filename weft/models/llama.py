@@ -137,10 +137,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn, step)
 
     def use_kernels(self, on: bool) -> None:
-        """Whether the layers run weft/layers/fused.py's Triton kernels where they can (CUDA), or PyTorch's ops
-        as HF's everywhere (EngineConfig.enable_fused_layers)."""
+        """Whether the layers run weft's Triton kernels where they can (CUDA: weft/layers/fused.py's, and tuned
+        launches for a decode's linear layers), or PyTorch's ops as HF's everywhere
+        (EngineConfig.enable_fused_layers)."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | SwiGLU | LlamaAttention):  # the experts have no PyTorch path fit to serve
+            # the experts have no PyTorch path fit to serve
+            if isinstance(module, RMSNorm | SwiGLU | LlamaAttention | Linear):
                 module.kernels = on
 
     def use_batch_invariant(self, on: bool) -> None:

@@ -1,0 +1,156 @@
+"""Tune the decode GEMMs of weft.layers.linear on this GPU: for each weight shape of the given models, time every
+candidate launch (TILES x splits) at 1 and DECODE_ROWS rows, keep the fastest, and beside cuBLAS at 1 .. DECODE_ROWS
+rows find the most rows it is faster at. A shape where cuBLAS wins at one row gets no entry (its layer keeps cuBLAS).
+
+    python -m weft.benchmark.tune_gemm [--models qwen3-0.6b ...] [--write]
+
+Timings are GPU time alone, replayed from a CUDA graph over copies of the weight that together outgrow the L2 (a
+decode step's layers each read their own weights from memory). --write merges the table into DECODE_TABLE under
+this GPU's name and the dtype; the printed lines are the log to keep beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from weft.benchmark.environment import copy_bandwidth_gbps, device_name, git_sha
+from weft.config import ModelConfig
+from weft.inference.config import DTYPES
+from weft.layers.linear import DECODE_ROWS, DECODE_TABLE, DecodeLaunch, Tiles, chunks, decode_matmul
+from weft.models.loader import resolve_model
+
+MODELS = ("qwen3-0.6b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b")
+# (block_n, block_k, num_warps, num_stages): narrow tiles for many programs, deep pipelines for bytes in flight
+TILES = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
+         (64, 128, 4, 4), (64, 128, 4, 5), (64, 256, 4, 3), (64, 256, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3),
+         (128, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3)]
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+MOST_PROGRAMS = 2048  # split grids past this many programs are not tried (and COUNTERS bounds the tiles)
+ROWS = (1, 2, 4, 8, DECODE_ROWS)  # the row counts compared with cuBLAS (a decode graph's batch sizes)
+ROTATION_BYTES = 256 << 20  # weight bytes cycled through per timing: several times the H200's L2
+ROUNDS = 5
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of each linear layer's weight in one rank's whole model."""
+    return dict(qkv=((cfg.H_q + 2 * cfg.H_kv) * cfg.D, cfg.E), o=(cfg.E, cfg.H_q * cfg.D),
+                gate_up=(2 * cfg.intermediate, cfg.E), down=(cfg.E, cfg.intermediate), lm_head=(cfg.V, cfg.E))
+
+
+def graph_seconds(fns: list[Callable[[], object]]) -> float:
+    """Median GPU seconds per call: `fns` (one per copy of the data) captured in one CUDA graph, replayed ROUNDS
+    times after a warm-up."""
+    for fn in fns:
+        fn()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times) / len(fns)
+
+
+class Shape:
+    """One weight shape's copies and rows, and the timings of launches over them."""
+
+    def __init__(self, N: int, K: int, dtype: torch.dtype) -> None:
+        self.N, self.K = N, K
+        copies = max(1, -(-ROTATION_BYTES // (N * K * dtype.itemsize)))
+        self.weights = [torch.randn(N, K, device="cuda", dtype=dtype) * K**-0.5 for _ in range(copies)]
+        self.x = torch.randn(DECODE_ROWS, K, device="cuda", dtype=dtype)
+        self.bytes = N * K * dtype.itemsize
+
+    def triton_s(self, launch: DecodeLaunch, M: int) -> float:
+        x = self.x[:M]
+        return graph_seconds([lambda w=w: decode_matmul(x, w, None, launch) for w in self.weights])
+
+    def cublas_s(self, M: int) -> float:
+        x = self.x[:M]
+        return graph_seconds([lambda w=w: F.linear(x, w) for w in self.weights])
+
+    def candidates(self) -> list[DecodeLaunch]:
+        """Every tile of TILES with each count of splits that gives distinct chunks and not too many programs."""
+        out = []
+        for block_n, block_k, warps, stages in TILES:
+            n_tiles = -(-self.N // block_n)
+            seen = set()
+            for want in SPLITS:
+                splits = chunks(self.K, block_k, want).splits
+                if splits in seen or (splits > 1 and n_tiles * splits > MOST_PROGRAMS):
+                    continue
+                seen.add(splits)
+                out.append(DecodeLaunch(Tiles(DECODE_ROWS, block_n, warps, stages), block_k, splits, DECODE_ROWS))
+        return out
+
+
+def tune(N: int, K: int, dtype: torch.dtype, copy_gbps: float) -> DecodeLaunch | None:
+    """The fastest candidate for (N, K), with the most rows it beats cuBLAS at; None if cuBLAS wins at one row.
+    (A bias is added after the sums, and costs the same in both.)"""
+    shape = Shape(N, K, dtype)
+    floor = shape.bytes / (copy_gbps * 1e9)
+    timed = []
+    for launch in shape.candidates():
+        t1, t16 = shape.triton_s(launch, 1), shape.triton_s(launch, DECODE_ROWS)
+        timed.append((t1 + t16, launch))
+        print(f"  {N}x{K} {launch.tiles.block_n}x{launch.block_k}w{launch.tiles.num_warps}s{launch.tiles.num_stages}"
+              f" splits={launch.splits}: M=1 {t1 * 1e6:.1f} us ({floor / t1:.0%} of copy), M={DECODE_ROWS} "
+              f"{t16 * 1e6:.1f} us", flush=True)
+    best = min(timed, key=lambda t: t[0])[1]
+    max_rows = 0
+    for M in ROWS:
+        ours, theirs = shape.triton_s(best, M), shape.cublas_s(M)
+        print(f"= {N}x{K} M={M}: tuned {ours * 1e6:.1f} us ({floor / ours:.0%} of copy), cuBLAS {theirs * 1e6:.1f} us "
+              f"({floor / theirs:.0%}), {theirs / ours:.2f}x", flush=True)
+        if ours >= theirs:
+            break
+        max_rows = M
+    del shape
+    torch.cuda.empty_cache()
+    return DecodeLaunch(best.tiles, best.block_k, best.splits, max_rows) if max_rows else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--write", action="store_true", help=f"merge the table into {DECODE_TABLE}")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_gemm needs a CUDA GPU")
+    dtype, gpu, copy_gbps = DTYPES[args.dtype], device_name("cuda"), copy_bandwidth_gbps()
+    print(f"# {gpu}, {args.dtype}, commit {git_sha()}, copy {copy_gbps:.0f} GB/s (read + written)", flush=True)
+    table: dict[str, dict] = {}
+    for model in args.models:
+        cfg = resolve_model(model).config
+        for name, (N, K) in layer_shapes(cfg).items():
+            key = f"{N}x{K}"
+            if key in table:
+                continue
+            print(f"# {model} {name} N={N} K={K}", flush=True)
+            launch = tune(N, K, dtype, copy_gbps)
+            table[key] = launch.record() if launch else None
+    entries = {key: entry for key, entry in table.items() if entry is not None}
+    print(json.dumps(entries, indent=1))
+    if args.write:
+        data = json.loads(DECODE_TABLE.read_text())
+        data.setdefault(gpu, {})[args.dtype] = dict(sorted(entries.items()))
+        DECODE_TABLE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
