@@ -73,6 +73,8 @@ COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "weights_bytes": ("weights read per step (GB)", _gb), "weights_floor_s": ("weights floor (ms)", _ms),
     "itl_floor_ratio": ("ITL p50 ÷ weights floor", _3g), "with_grouping_s": ("with grouping (ms)", _ms),
     "bytes": ("bytes moved (GB)", _gb),
+    "cublas_s": ("cuBLAS (ms)", _ms), "cublas_over_weft": ("cuBLAS ÷ weft", _3g),
+    "cublas_pct_of_copy": ("cuBLAS % of copy", _rate),
 }
 # derived columns: each a measured time over its memory-traffic floor (e13's per step, the others' per run)
 RATIOS = {"step_floor_ratio": ("step_ms", "floor_ms"), "makespan_floor_ratio": ("makespan_s", "floor_s"),
@@ -108,6 +110,10 @@ TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns
     "e15_kernel": (["model", "B", "top_k", "num_experts", "experts_touched"],
                    ["time_s", "with_grouping_s", "bytes", "gbps", "pct_of_copy"]),
     "e16": (["model", "workload_kind", "config"], ["output_tok_s", "itl_p50_s", "ttft_p50_s", "makespan_s", *FLOOR]),
+    "e17_kernel": (["model", "layer", "N", "K", "M", "launch"],
+                   ["time_s", "pct_of_copy", "cublas_s", "cublas_pct_of_copy", "cublas_over_weft"]),
+    "e17_itl": (["model", "config"], ["itl_p50_s", "weights_bytes", "weights_floor_s", "itl_floor_ratio",
+                                      "ttft_p50_s"]),
 }
 COMPARED = ["output_tok_s", "makespan_s", "ttft_p50_s", "itl_p50_s", "gbps", "time_s"]
 
@@ -355,10 +361,25 @@ def determinism_notes(df: pd.DataFrame) -> list[str]:
     return notes
 
 
+def itl_peer_notes(df: pd.DataFrame) -> list[str]:
+    """e17_itl: per model, weft's batch-1 ITL p50 over its weights floor and over HF's (the same run)."""
+    notes = []
+    for model, rows in df.groupby("model", sort=False):
+        weft, peers = rows[rows["engine"] == "weft"], rows[rows["engine"] != "weft"]
+        for w in weft.itertuples():
+            if pd.notna(w.weights_floor_s):
+                notes.append(f"{model}, weft's ITL p50 ÷ weights floor: {w.itl_p50_s * 1e3:.2f} ÷ "
+                             f"{w.weights_floor_s * 1e3:.2f} ms = {w.itl_p50_s / w.weights_floor_s:.2f}×.")
+            notes += [f"{model}, ITL p50, {p.config} ÷ {w.config}: {p.itl_p50_s * 1e3:.2f} ÷ {w.itl_p50_s * 1e3:.2f} ms"
+                      f" = {p.itl_p50_s / w.itl_p50_s:.2f}×." for p in peers.itertuples()]
+    return notes
+
+
 NOTES: dict[str, Callable[[pd.DataFrame], list[str]]] = {
     "e2": batch_sweep_notes, "e4": clock_notes, "e9": serving_notes, "e11": prefix_cache_notes,
     "e12": ablation_notes, "e13": profile_notes, "e14": sampling_notes, "e15": batch_sweep_notes,
     "e15_e8": peer_notes, "e15_itl": family_notes, "e15_kernel": kernel_notes, "e16": determinism_notes,
+    "e17_itl": itl_peer_notes,
 }
 
 

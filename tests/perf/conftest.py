@@ -92,6 +92,7 @@ class Sizes:
     e15_batches: tuple[int, ...]
     e15_dense_models: tuple[str, ...]  # the families whose batch-1 ITL (e12's request) is compared
     e15_kernel_tokens: int  # tokens routed through one MoE layer's expert kernels
+    e17_models: tuple[str, ...]  # the dense shapes whose decode GEMMs and batch-1 ITL e17 measures
 
 
 CUDA_SIZES = Sizes(
@@ -150,6 +151,7 @@ CUDA_SIZES = Sizes(
     e15_batches=(1, 16, 64, 256),
     e15_dense_models=("llama-3.1-8b", "qwen3-8b"),
     e15_kernel_tokens=256,
+    e17_models=("qwen3-0.6b", "qwen3-4b", "qwen3-8b"),
 )
 CPU_SIZES = Sizes(
     dtype="float32",
@@ -203,6 +205,7 @@ CPU_SIZES = Sizes(
     e15_batches=(1, 4, 16),  # e2's
     e15_dense_models=("tiny-llama3", "tiny-qwen3"),
     e15_kernel_tokens=8,
+    e17_models=("tiny-qwen3",),
 )
 SIZES = CUDA_SIZES if HAS_CUDA else CPU_SIZES
 
@@ -248,6 +251,18 @@ def _progress(config: pytest.Config, line: str) -> None:
 @pytest.fixture(scope="session")
 def sizes() -> Sizes:
     return SIZES
+
+
+@pytest.fixture(params=SIZES.e17_models)
+def e17_model(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+# model-major, so that each model is built once for both engines
+@pytest.fixture(params=[(m, e) for m in SIZES.e17_models for e in ("weft", "hf_generate_static")],
+                ids=lambda p: "-".join(p))
+def e17_itl_run(request: pytest.FixtureRequest) -> tuple[str, str]:
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -19,11 +19,10 @@ import functools
 import pytest
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from weft.benchmark import workloads
 from weft.benchmark.environment import kernel_environment, launched_seconds
-from weft.benchmark.floor import floor_s, weight_bytes
+from weft.benchmark.floor import step_weights
 from weft.benchmark.runner import BenchConfig
 from weft.inference.config import DTYPES
 from weft.layers.moe import SparseMoE, expert_kernels, experts_reference, fused_experts, kernel_groups
@@ -32,14 +31,6 @@ from weft.models.loader import resolve_model
 pytestmark = pytest.mark.perf
 
 CHECKED_TOKENS = 8  # the kernels' first tokens checked against the PyTorch reference (which gathers weights per pair)
-
-
-def step_weights(hf: PreTrainedModel, batch: int, device: torch.device) -> dict[str, object]:
-    """A decode step of `batch` requests: the weight bytes it reads and their time at the copy bandwidth (None off
-    CUDA), and the model's experts (0: dense)."""
-    nbytes = weight_bytes(hf, batch)
-    return dict(weights_bytes=nbytes, weights_floor_s=floor_s(nbytes, device),
-                num_experts=getattr(hf.config, "num_experts", 0))
 
 
 @pytest.mark.parametrize("engine", ["weft", "hf_generate"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -71,3 +72,25 @@ def launched_seconds(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def graph_seconds(fns: list[Callable[[], object]], rounds: int = 5) -> float:
+    """Median GPU seconds per call: `fns` (one per copy of the data) captured in one CUDA graph, replayed ROUNDS
+    times after a warm-up."""
+    for fn in fns:
+        fn()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times) / len(fns)

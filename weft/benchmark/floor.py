@@ -62,3 +62,11 @@ def floor_s(nbytes: int, device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return nbytes / (copy_bandwidth_gbps() * 1e9)
+
+
+def step_weights(hf: PreTrainedModel, batch: int, device: torch.device) -> dict[str, object]:
+    """A decode step of `batch` requests: the weight bytes it reads and their time at the copy bandwidth (None off
+    CUDA), and the model's experts (0: dense)."""
+    nbytes = weight_bytes(hf, batch)
+    return dict(weights_bytes=nbytes, weights_floor_s=floor_s(nbytes, device),
+                num_experts=getattr(hf.config, "num_experts", 0))

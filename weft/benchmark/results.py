@@ -36,6 +36,8 @@ EXPERIMENTS = {
     "e15_itl": "model families: batch-1 ITL over the weights floor per step",
     "e15_kernel": "model families: the fused MoE kernels' bandwidth, one layer",
     "e16": "deterministic=True: its batch-invariant kernels' cost on the standard workload and one request alone",
+    "e17_kernel": "decode GEMMs: each layer at 1 and 16 rows as weft runs it, beside cuBLAS, over the copy bandwidth",
+    "e17_itl": "batch-1 ITL of the dense shapes over their weights floor, beside HF's static cache (compiled)",
 }
 IDENTITY = ("experiment", "gpu", "git_sha")  # what every record must say about itself
 # e9's latency fields (ms, as vLLM's `bench serve` names them) <- the same of weft's serving metrics (s)
