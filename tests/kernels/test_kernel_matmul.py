@@ -17,10 +17,11 @@ from weft.benchmark.tune_gemm import layer_shapes
 from weft.layers.linear import (
     BLOCK_K,
     DECODE_ROWS,
-    DECODE_TABLE,
     DECODE_TILES,
     FLOAT32_TILES,
+    INVARIANT_ROWS,
     PREFILL_TILES,
+    TUNED,
     DecodeLaunch,
     Linear,
     Tiles,
@@ -28,12 +29,12 @@ from weft.layers.linear import (
     chunks,
     decode_launch,
     decode_matmul,
-    decode_table,
     launch_for,
     launch_variants,
     matmul_kernel,
     plan,
     tile_choices,
+    tuned,
 )
 
 pytestmark = pytest.mark.kernels
@@ -147,9 +148,10 @@ def test_decode_launches_match_float64_and_a_rows_bits_do_not_follow_m(device, d
         assert torch.equal(decode_matmul(x[offset : offset + M].contiguous(), w, b, launch), full[offset : offset + M])
 
 
-def test_the_decode_table_names_real_layers_and_reads_back_what_the_tuner_writes():
-    """Every tuned entry's (N, K) is a layer of a tuned model (layer_shapes as the models build them), and a launch
-    survives the table's round trip; off CUDA, and on a GPU never tuned, the layers keep cuBLAS."""
+def test_the_tuned_table_names_real_layers_and_reads_back_what_the_tuner_writes():
+    """Every tuned entry's (N, K) is a layer of a tuned model (layer_shapes as the models build them), a decode
+    launch survives the table's round trip, and the invariant launches are of whole warpgroups' rows; off CUDA, and
+    on a GPU never tuned, the layers keep cuBLAS and the rule of thumb."""
     from weft.models.llama import LlamaForCausalLM
     from weft.models.loader import resolve_model
 
@@ -159,12 +161,39 @@ def test_the_decode_table_names_real_layers_and_reads_back_what_the_tuner_writes
     assert set(layer_shapes(cfg).values()) == built
     launch = DECODE_LAUNCHES[1]
     assert DecodeLaunch.from_record(launch.record()) == launch
-    assert decode_table("no such GPU", torch.bfloat16) == {}
+    assert tuned("no such GPU", torch.bfloat16).decode == tuned("no such GPU", torch.bfloat16).invariant == {}
     assert decode_launch(1, torch.zeros(4096, 1024)) is None  # on the CPU
-    for gpu, dtypes in json.loads(DECODE_TABLE.read_text()).items():
+    assert launch_for(256, 1024, 2048, torch.bfloat16, "no such GPU") == launch_for(256, 1024, 2048)
+    shapes = {s for name in ("qwen3-0.6b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b")
+              for s in layer_shapes(resolve_model(name).config).values()}
+    for gpu, dtypes in json.loads(TUNED.read_text()).items():
         for dtype in dtypes:
-            for launch in decode_table(gpu, getattr(torch, dtype)).values():
+            table = tuned(gpu, getattr(torch, dtype))
+            assert table.decode.keys() | table.invariant.keys() <= shapes
+            for launch in table.decode.values():
                 assert 1 <= launch.max_rows <= DECODE_ROWS and launch.tiles.block_m == DECODE_ROWS
+            for (N, K), by_rows in table.invariant.items():
+                assert set(by_rows) <= set(INVARIANT_ROWS)
+                for rows, (tiles, split) in by_rows.items():
+                    assert tiles.block_m % 64 == 0 and launch_for(rows, N, K, getattr(torch, dtype), gpu) == (
+                        tiles, split)
+
+
+@pytest.mark.gpu
+def test_every_tuned_invariant_launch_keeps_the_bits(device):
+    """The batch-invariant table's launches on this GPU give the rule of thumb's bits (random operands, each tuned
+    row count), so that deterministic=True's promise holds with them."""
+    from weft.layers.linear import _gpu_name
+
+    table = tuned(_gpu_name(device.index), torch.bfloat16).invariant
+    if not table:
+        pytest.skip(f"no tuned launches for {_gpu_name(device.index)}")
+    for (N, K), by_rows in table.items():
+        w = (torch.randn(N, K, device=device) / K**0.5).to(torch.bfloat16)
+        for rows, (tiles, split) in by_rows.items():
+            x = torch.randn(rows, K, device=device).to(torch.bfloat16)
+            want = matmul_kernel(x, w, None, False, DECODE_TILES)
+            assert torch.equal(matmul_kernel(x, w, None, split, tiles), want), (N, K, rows, tiles, split)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,7 +1,7 @@
 """e17: decode GEMMs (issue 34). Parts, each selectable with -k:
 
 - kernel: each linear layer of e17_models at 1 and DECODE_ROWS rows as a decode runs it (the tuned launch of
-  weft.layers.linear's DECODE_TABLE where one beat cuBLAS on this GPU, else cuBLAS), beside cuBLAS: GPU time replayed
+  weft.layers.linear's TUNED table where one beat cuBLAS on this GPU, else cuBLAS), beside cuBLAS: GPU time replayed
   from a CUDA graph over copies of the weight that together outgrow the L2 (a step's layers each read their own), and
   each as a fraction of the copy bandwidth (the weight's bytes at that bandwidth, over the time). Without a GPU a tiny
   model's layers run once through a fixed launch in Triton's interpreter, timed by the host clock, only so that the

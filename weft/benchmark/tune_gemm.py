@@ -3,25 +3,41 @@ candidate launch (TILES x splits) at 1 and DECODE_ROWS rows, keep the fastest, a
 rows find the most rows it is faster at (by MARGIN). A shape where cuBLAS wins at one row gets no entry (its layer
 keeps cuBLAS).
 
-    python -m weft.benchmark.tune_gemm [--models qwen3-0.6b ...] [--write]
+    python -m weft.benchmark.tune_gemm [--models qwen3-0.6b ...] [--invariant] [--write]
 
 Timings are GPU time alone, replayed from a CUDA graph over copies of the weight that together outgrow the L2 (a
-decode step's layers each read their own weights from memory). --write merges the table into DECODE_TABLE under
-this GPU's name and the dtype; the printed lines are the log to keep beside it.
+decode step's layers each read their own weights from memory). --write puts the table in TUNED under this GPU's
+name, the dtype and its section; the printed lines are the log to keep beside it.
+
+With --invariant it tunes the batch-invariant kernel instead (EngineConfig.deterministic): at each of INVARIANT_ROWS,
+the fastest of INVARIANT_TILES, whole or split, whatever cuBLAS does (printed beside it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 from weft.benchmark.environment import copy_bandwidth_gbps, device_name, git_sha, graph_seconds
 from weft.config import ModelConfig
 from weft.inference.config import DTYPES
-from weft.layers.linear import DECODE_ROWS, DECODE_TABLE, DecodeLaunch, Tiles, chunks, decode_matmul
+from weft.layers.linear import (
+    DECODE_ROWS,
+    DECODE_TILES,
+    INVARIANT_ROWS,
+    TUNED,
+    DecodeLaunch,
+    Tiles,
+    chunks,
+    decode_matmul,
+    matmul_kernel,
+    plan,
+)
 from weft.models.loader import resolve_model
 
 MODELS = ("qwen3-0.6b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b")
@@ -36,6 +52,11 @@ ROWS = (1, 2, 4, 8, DECODE_ROWS)  # the row counts compared with cuBLAS (a decod
 # timings, repeated, differed by up to 5%: results/logs/h200_tune_gemm_f499d27.log)
 MARGIN = 0.97
 VERIFY_ROUNDS = 21  # the comparison's replays (the search's: 5)
+# the batch-invariant kernel's candidates (block_m, block_n, num_warps, num_stages): rows in whole warpgroups of 64
+INVARIANT_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
+                   (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3)]
+SPLIT_ROWS = 256  # past these rows a split's float32 partials cost more than its programs gain: not tried
+LOGIT_ROWS = 256  # EngineConfig.max_num_seqs's default: the most rows the LM head computes
 ROTATION_BYTES = 256 << 20  # weight bytes cycled through per timing: several times the H200's L2
 
 
@@ -48,16 +69,20 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 class Shape:
     """One weight shape's copies and rows, and the timings of launches over them."""
 
-    def __init__(self, N: int, K: int, dtype: torch.dtype) -> None:
+    def __init__(self, N: int, K: int, dtype: torch.dtype, rows: int = DECODE_ROWS) -> None:
         self.N, self.K = N, K
         copies = max(1, -(-ROTATION_BYTES // (N * K * dtype.itemsize)))
         self.weights = [torch.randn(N, K, device="cuda", dtype=dtype) * K**-0.5 for _ in range(copies)]
-        self.x = torch.randn(DECODE_ROWS, K, device="cuda", dtype=dtype)
+        self.x = torch.randn(rows, K, device="cuda", dtype=dtype)
         self.bytes = N * K * dtype.itemsize
 
     def triton_s(self, launch: DecodeLaunch, M: int, rounds: int = 5) -> float:
         x = self.x[:M]
         return graph_seconds([lambda w=w: decode_matmul(x, w, None, launch) for w in self.weights], rounds)
+
+    def invariant_s(self, tiles: Tiles, split: bool, M: int) -> float:
+        x = self.x[:M]
+        return graph_seconds([lambda w=w: matmul_kernel(x, w, None, split, tiles) for w in self.weights])
 
     def cublas_s(self, M: int, rounds: int = 5) -> float:
         x = self.x[:M]
@@ -104,17 +129,55 @@ def tune(N: int, K: int, dtype: torch.dtype, copy_gbps: float) -> DecodeLaunch |
     return DecodeLaunch(best.tiles, best.block_k, best.splits, max_rows) if max_rows else None
 
 
+def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict[str, dict]:
+    """The batch-invariant kernel's fastest launch for (N, K) at each of INVARIANT_ROWS up to `most_rows`: of
+    INVARIANT_TILES, each whole and split into the plan's chunks, only those whose bits are the rule of thumb's
+    small tiles' (any tile of BLOCK_K steps should give them: a launch that did not would be reported and left out)."""
+    rows = [r for r in INVARIANT_ROWS if r <= most_rows]
+    shape = Shape(N, K, dtype, rows[-1])
+    out = {}
+    for M in rows:
+        x, w = shape.x[:M], shape.weights[0]
+        want = matmul_kernel(x, w, None, False, DECODE_TILES)
+        timed = []
+        for block_m, block_n, warps, stages in INVARIANT_TILES:
+            tiles = Tiles(block_m, block_n, warps, stages)
+            for split in (False, True) if plan(N, K).splits > 1 and M <= SPLIT_ROWS else (False,):
+                try:
+                    same = torch.equal(matmul_kernel(x, w, None, split, tiles), want)
+                except OutOfResources:
+                    continue
+                if not same:
+                    print(f"  {N}x{K} M={M} {tiles} split={split}: NOT the same bits, left out", flush=True)
+                    continue
+                timed.append((shape.invariant_s(tiles, split, M), tiles, split))
+                print(f"  {N}x{K} M={M} {block_m}x{block_n}w{warps}s{stages} split={split}: "
+                      f"{timed[-1][0] * 1e6:.1f} us", flush=True)
+        seconds, tiles, split = min(timed, key=lambda t: t[0])
+        cublas = shape.cublas_s(M)
+        print(f"= {N}x{K} M={M}: {tiles} split={split} {seconds * 1e6:.1f} us, cuBLAS {cublas * 1e6:.1f} us, "
+              f"{seconds / cublas:.2f}x cuBLAS's time", flush=True)
+        out[str(M)] = dict(asdict(tiles), split=split)
+    del shape
+    torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--write", action="store_true", help=f"merge the table into {DECODE_TABLE}")
+    parser.add_argument("--invariant", action="store_true",
+                        help="tune the batch-invariant kernel's launches (deterministic=True) instead of the decode's")
+    parser.add_argument("--write", action="store_true", help=f"write the section into {TUNED}")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tune_gemm needs a CUDA GPU")
     dtype, gpu, copy_gbps = DTYPES[args.dtype], device_name("cuda"), copy_bandwidth_gbps()
-    print(f"# {gpu}, {args.dtype}, commit {git_sha()}, copy {copy_gbps:.0f} GB/s (read + written)", flush=True)
-    table: dict[str, dict] = {}
+    section = "invariant" if args.invariant else "decode"
+    print(f"# {section}: {gpu}, {args.dtype}, commit {git_sha()}, copy {copy_gbps:.0f} GB/s (read + written)",
+          flush=True)
+    table: dict[str, dict | None] = {}
     for model in args.models:
         cfg = resolve_model(model).config
         for name, (N, K) in layer_shapes(cfg).items():
@@ -122,14 +185,17 @@ def main(argv: list[str] | None = None) -> None:
             if key in table:
                 continue
             print(f"# {model} {name} N={N} K={K}", flush=True)
-            launch = tune(N, K, dtype, copy_gbps)
-            table[key] = launch.record() if launch else None
+            if args.invariant:  # the LM head computes only the rows that need logits: at most max_num_seqs
+                table[key] = tune_invariant(N, K, dtype, LOGIT_ROWS if name == "lm_head" else INVARIANT_ROWS[-1])
+            else:
+                launch = tune(N, K, dtype, copy_gbps)
+                table[key] = launch.record() if launch else None
     entries = {key: entry for key, entry in table.items() if entry is not None}
     print(json.dumps(entries, indent=1))
     if args.write:
-        data = json.loads(DECODE_TABLE.read_text())
-        data.setdefault(gpu, {})[args.dtype] = dict(sorted(entries.items()))
-        DECODE_TABLE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        data = json.loads(TUNED.read_text())
+        data.setdefault(gpu, {}).setdefault(args.dtype, {})[section] = dict(sorted(entries.items()))
+        TUNED.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

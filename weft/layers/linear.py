@@ -18,7 +18,7 @@ batched). `batch_invariant_linear` fixes every choice that touches a row's sums 
 The same kernel serves the default mode's decodes: at up to DECODE_ROWS rows a linear layer reads its whole weight
 to compute little, and cuBLAS reads it well below the copy bandwidth (issue 34). There each weight shape launches
 as the tuner (weft.benchmark.tune_gemm) found fastest on this GPU, where that beat cuBLAS: `DecodeLaunch`, from the
-committed DECODE_TABLE.
+committed TUNED table.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ PROGRAMS = 256  # the programs a one-tile decode should spread over (about two p
 COUNTERS = 4096  # arrival counters per device: the most tiles a split launch may have
 ROWS = 16  # the CPU's row block
 DECODE_ROWS = 16  # the most rows a tuned decode launch serves: one tile of mma.sync's 16 rows
-# {gpu: {dtype: {"NxK": launch}}}, as weft.benchmark.tune_gemm writes it
-DECODE_TABLE = Path(__file__).with_name("decode_gemms.json")
+# {gpu: {dtype: {"decode": {"NxK": DecodeLaunch}, "invariant": {"NxK": {rows: (Tiles, split)}}}}}, as
+# weft.benchmark.tune_gemm writes it
+TUNED = Path(__file__).with_name("tuned_gemms.json")
+INVARIANT_ROWS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # each row count's launch serves rows past the last
 
 
 class Linear(nn.Linear):
@@ -86,12 +88,18 @@ def tile_choices(dtype: torch.dtype) -> tuple[Tiles, Tiles]:
     return (FLOAT32_TILES, FLOAT32_TILES) if dtype.itemsize > 2 else (DECODE_TILES, PREFILL_TILES)
 
 
-def launch_for(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> tuple[Tiles, bool]:
-    """The tiles and grid for M rows of an [N, K] weight: the large tiles past the small ones' rows where they fill
-    a wave; else the small ones, which rows that fit one of them (a decode's few) run one program per chunk where
-    their tiles alone leave the wave short (and there are chunks). Past one tile's rows the chunks' float32 partials,
-    M x N each, cost more than the programs they add (results/logs/h200_matmul_split_rows_5a225c1.log). Whichever
-    is chosen, the bits are the same."""
+def launch_for(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
+               gpu: str | None = None) -> tuple[Tiles, bool]:
+    """The tiles and grid for M rows of an [N, K] weight: on a `gpu` the tuner measured (TUNED's "invariant"
+    section), the fastest it found at the least of INVARIANT_ROWS that holds M. Else the large tiles past the small
+    ones' rows where they fill a wave; else the small ones, which rows that fit one of them (a decode's few) run one
+    program per chunk where their tiles alone leave the wave short (and there are chunks). Past one tile's rows the
+    chunks' float32 partials, M x N each, cost more than the programs they add
+    (results/logs/h200_matmul_split_rows_5a225c1.log). Whichever is chosen, the bits are the same."""
+    if gpu is not None and (by_rows := tuned(gpu, dtype).invariant.get((N, K))):
+        rows = next((r for r in INVARIANT_ROWS if M <= r), None)
+        if rows in by_rows:
+            return by_rows[rows]
     small, large = tile_choices(dtype)
 
     def programs(t: Tiles) -> int:
@@ -208,12 +216,11 @@ def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
-def launch_variants(N: int, K: int, dtype: torch.dtype, max_rows: int) -> set[tuple[Tiles, bool]]:
-    """Every (tiles, split) `launch_for` picks for 1 .. max_rows rows of an [N, K] weight. Within one small tile's
-    rows and past them, its choice changes once at most as M grows (programs only grow with M), so the ends of
-    both ranges hold every choice."""
-    rows = (1, tile_choices(dtype)[0].block_m)
-    return {launch_for(M, N, K, dtype) for M in (*rows, rows[1] + 1, max_rows) if M <= max_rows}
+@functools.cache
+def launch_variants(N: int, K: int, dtype: torch.dtype, max_rows: int,
+                    gpu: str | None = None) -> frozenset[tuple[Tiles, bool]]:
+    """Every (tiles, split) `launch_for` picks for 1 .. max_rows rows of an [N, K] weight."""
+    return frozenset(launch_for(M, N, K, dtype, gpu) for M in range(1, max_rows + 1))
 
 
 def prepare(model: nn.Module, device: torch.device, max_rows: int) -> None:
@@ -229,7 +236,7 @@ def prepare(model: nn.Module, device: torch.device, max_rows: int) -> None:
             continue
         w, b = layer.weight, layer.bias
         N, K = w.shape
-        for tiles, split in launch_variants(N, K, w.dtype, max_rows):
+        for tiles, split in launch_variants(N, K, w.dtype, max_rows, _gpu_name(device.index)):
             launch = (N, K, w.dtype, b is not None, tiles, split)
             if launch not in compiled:
                 compiled.add(launch)
@@ -243,7 +250,7 @@ def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     M, K = x.shape
     N = weight.shape[0]
     p = plan(N, K)
-    chosen_tiles, chosen_split = launch_for(M, N, K, x.dtype)
+    chosen_tiles, chosen_split = launch_for(M, N, K, x.dtype, _gpu_name(x.device.index) if x.is_cuda else None)
     split = chosen_split if split is None else split and p.splits > 1
     return _launch(x, weight, bias, tiles or chosen_tiles, BLOCK_K, p, split)
 
@@ -293,7 +300,7 @@ class DecodeLaunch:
     max_rows: int
 
     def record(self) -> dict:
-        """The table's entry (DECODE_TABLE)."""
+        """The launch's entry in TUNED's "decode" section."""
         return dict(asdict(self), tiles={k: v for k, v in asdict(self.tiles).items() if k != "block_m"})
 
     @staticmethod
@@ -301,12 +308,35 @@ class DecodeLaunch:
         return DecodeLaunch(**{**entry, "tiles": Tiles(DECODE_ROWS, **entry["tiles"])})
 
 
+@dataclass(frozen=True)
+class TunedLaunches:
+    """The launches the tuner found fastest on one GPU for one dtype, by weight shape (N, K): for a decode's few
+    rows where they beat cuBLAS, and for the batch-invariant kernel by INVARIANT_ROWS."""
+
+    decode: dict[tuple[int, int], DecodeLaunch]
+    invariant: dict[tuple[int, int], dict[int, tuple[Tiles, bool]]]
+
+
 @functools.cache
-def decode_table(gpu: str, dtype: torch.dtype) -> dict[tuple[int, int], DecodeLaunch]:
-    """(N, K) -> the launch the tuner found faster than cuBLAS on `gpu` (torch.cuda.get_device_name's) for weights
-    of `dtype`; empty for a GPU or dtype never tuned, whose layers keep cuBLAS."""
-    table = json.loads(DECODE_TABLE.read_text()).get(gpu, {}).get(str(dtype).removeprefix("torch."), {})
-    return {tuple(map(int, shape.split("x"))): DecodeLaunch.from_record(entry) for shape, entry in table.items()}
+def tuned(gpu: str, dtype: torch.dtype) -> TunedLaunches:
+    """TUNED's launches for `gpu` (torch.cuda.get_device_name's) and `dtype`; none for a GPU or dtype never tuned,
+    whose layers keep cuBLAS and the batch-invariant kernel its rule of thumb (`launch_for`)."""
+    table = json.loads(TUNED.read_text()).get(gpu, {}).get(str(dtype).removeprefix("torch."), {})
+
+    def shape(key: str) -> tuple[int, int]:
+        N, K = key.split("x")
+        return int(N), int(K)
+
+    return TunedLaunches(
+        {shape(key): DecodeLaunch.from_record(entry) for key, entry in table.get("decode", {}).items()},
+        {shape(key): {int(rows): invariant_launch(entry) for rows, entry in by_rows.items()}
+         for key, by_rows in table.get("invariant", {}).items()},
+    )
+
+
+def invariant_launch(entry: dict) -> tuple[Tiles, bool]:
+    """A TUNED "invariant" entry: the tiles' fields and split."""
+    return Tiles(*(entry[f] for f in ("block_m", "block_n", "num_warps", "num_stages"))), entry["split"]
 
 
 @functools.cache
@@ -319,7 +349,7 @@ def decode_launch(M: int, weight: torch.Tensor) -> DecodeLaunch | None:
     cuBLAS was as fast."""
     if M > DECODE_ROWS or not weight.is_cuda:
         return None
-    launch = decode_table(_gpu_name(weight.device.index), weight.dtype).get(tuple(weight.shape))
+    launch = tuned(_gpu_name(weight.device.index), weight.dtype).decode.get(tuple(weight.shape))
     return launch if launch is not None and M <= launch.max_rows else None
 
 
