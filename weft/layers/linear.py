@@ -135,26 +135,28 @@ def chunks(K: int, block_k: int, want: int) -> MatmulPlan:
 
 
 @triton.jit
-def _operands(x_ptr, w_ptr, rows, cols, k0, K, stride_xm, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """x[rows, k0 : k0 + BLOCK_K] [BLOCK_M, BLOCK_K] and w[cols, same]^T [BLOCK_K, BLOCK_N], columns at or past K
-    read as 0; EVEN_K: the steps end at K, and nothing is masked (every load a whole vector)."""
+def _operands(x_ptr, w_ptr, rows, row_ok, cols, k0, K, stride_xm, stride_wn, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr):
+    """x[rows, k0 : k0 + BLOCK_K] [BLOCK_M, BLOCK_K] and w[cols, same]^T [BLOCK_K, BLOCK_N], rows not `row_ok` and
+    columns at or past K read as 0; EVEN_K: the steps end at K, and no column is masked."""
     k = k0 + tl.arange(0, BLOCK_K)
     a_at = x_ptr + rows[:, None] * stride_xm + k[None, :]
     b_at = w_ptr + cols[None, :] * stride_wn + k[:, None]
     if EVEN_K:
-        return tl.load(a_at), tl.load(b_at)
+        return tl.load(a_at, mask=row_ok[:, None], other=0.0), tl.load(b_at)
     k_ok = k < K
-    return tl.load(a_at, mask=k_ok[None, :], other=0.0), tl.load(b_at, mask=k_ok[:, None], other=0.0)
+    return (tl.load(a_at, mask=row_ok[:, None] & k_ok[None, :], other=0.0),
+            tl.load(b_at, mask=k_ok[:, None], other=0.0))
 
 
 @triton.jit
-def _chunk(x_ptr, w_ptr, rows, cols, start, chunk_k, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, chunk_k, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """x[rows, start : start + chunk_k] @ w[cols, same]^T [BLOCK_M, BLOCK_N] in float32, summed from 0 a BLOCK_K at a
-    time (columns at or past K read as 0)."""
+    time (rows not `row_ok` and columns at or past K read as 0)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(start, start + chunk_k, BLOCK_K):
-        a, b = _operands(x_ptr, w_ptr, rows, cols, k0, K, stride_xm, stride_wn, BLOCK_K, EVEN_K)
+        a, b = _operands(x_ptr, w_ptr, rows, row_ok, cols, k0, K, stride_xm, stride_wn, BLOCK_K, EVEN_K)
         acc = tl.dot(a, b, acc, input_precision="ieee")
     return acc
 
@@ -168,19 +170,20 @@ def _matmul_kernel(
     splits, chunk_k, CHUNKED: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Rows past M and columns past N are clamped: they read real memory (a decode's one row, its cache line only),
-    # and their results are not stored. A row's sums never see another row's operands.
+    # Rows past M are masked (a decode's one row loads one row: clamped, the tile's rows each loaded it again, and
+    # decodes ran slower, results/logs/h200_tune_gemm_58661a0.log); columns past N are clamped: they read real
+    # memory, and their results are not stored.
     if SPLIT_GRID:
         split, pid_n, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     else:
         split, pid_n, pid_m = 0, tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, rows_in, cols_in = rows < M, tl.minimum(rows, M - 1), tl.minimum(cols, N - 1)
+    row_ok, cols_in = rows < M, tl.minimum(cols, N - 1)
     out_ok = row_ok[:, None] & (cols < N)[None, :]
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SPLIT_GRID:
-        acc = _chunk(x_ptr, w_ptr, rows_in, cols_in, split * chunk_k, chunk_k, K, stride_xm, stride_wn,
+        acc = _chunk(x_ptr, w_ptr, rows, row_ok, cols_in, split * chunk_k, chunk_k, K, stride_xm, stride_wn,
                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
         at = rows[:, None] * N + cols[None, :]
         tl.store(partials_ptr + split * M * N + at, acc, mask=out_ok)
@@ -198,7 +201,7 @@ def _matmul_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         steps = chunk_k // BLOCK_K
         for i in range(0, splits * steps):
-            a, b = _operands(x_ptr, w_ptr, rows_in, cols_in, i * BLOCK_K, K, stride_xm, stride_wn, BLOCK_K, EVEN_K)
+            a, b = _operands(x_ptr, w_ptr, rows, row_ok, cols_in, i * BLOCK_K, K, stride_xm, stride_wn, BLOCK_K, EVEN_K)
             acc = tl.dot(a, b, acc, input_precision="ieee")
             if CHUNKED:
                 end = i % steps == steps - 1
