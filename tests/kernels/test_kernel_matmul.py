@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from weft.attention.padded import attend_invariant
 from weft.benchmark.tune_gemm import layer_shapes
+from weft.layers.fused import silu_and_mul
 from weft.layers.linear import (
     BLOCK_K,
     DECODE_ROWS,
@@ -148,6 +149,23 @@ def test_decode_launches_match_float64_and_a_rows_bits_do_not_follow_m(device, d
         assert torch.equal(decode_matmul(x[offset : offset + M].contiguous(), w, b, launch), full[offset : offset + M])
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
+@pytest.mark.parametrize("launch", DECODE_LAUNCHES, ids=lambda d: f"{d.tiles.block_n}x{d.block_k}s{d.splits}")
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_a_gated_decode_launch_is_silu_and_mul_of_its_product(device, dtype, launch, bias):
+    """SiLU x up in the launch's epilogue: the bits of the product followed by weft.layers.fused's SiLU x up kernel,
+    and SiLU(gate) x up in float64 within the dtype's rounding."""
+    N, K = 2 * 100, 1000
+    x, w, b = operands(N, K, dtype, device, bias, M=DECODE_ROWS)
+    got = decode_matmul(x, w, b, launch, gated=True)
+    assert got.shape == (DECODE_ROWS, N // 2)
+    assert torch.equal(got, silu_and_mul(decode_matmul(x, w, b, launch)))
+    gate, up = F.linear(x.double(), w.double(), None if b is None else b.double()).chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-3)
+    assert ((got.double() - want) / scale).abs().max() <= 4 * TOL[dtype]
+
+
 def test_the_tuned_table_names_real_layers_and_reads_back_what_the_tuner_writes():
     """Every tuned entry's (N, K) is a layer of a tuned model (layer_shapes as the models build them), a decode
     launch survives the table's round trip, and the invariant launches are of whole warpgroups' rows; off CUDA, and
@@ -161,7 +179,8 @@ def test_the_tuned_table_names_real_layers_and_reads_back_what_the_tuner_writes(
     assert set(layer_shapes(cfg).values()) == built
     launch = DECODE_LAUNCHES[1]
     assert DecodeLaunch.from_record(launch.record()) == launch
-    assert tuned("no such GPU", torch.bfloat16).decode == tuned("no such GPU", torch.bfloat16).invariant == {}
+    nothing = tuned("no such GPU", torch.bfloat16)
+    assert nothing.decode == nothing.gated == nothing.invariant == {}
     assert decode_launch(1, torch.zeros(4096, 1024)) is None  # on the CPU
     assert launch_for(256, 1024, 2048, torch.bfloat16, "no such GPU") == launch_for(256, 1024, 2048)
     shapes = {s for name in ("qwen3-0.6b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b")
@@ -169,8 +188,8 @@ def test_the_tuned_table_names_real_layers_and_reads_back_what_the_tuner_writes(
     for gpu, dtypes in json.loads(TUNED.read_text()).items():
         for dtype in dtypes:
             table = tuned(gpu, getattr(torch, dtype))
-            assert table.decode.keys() | table.invariant.keys() <= shapes
-            for launch in table.decode.values():
+            assert table.decode.keys() | table.gated.keys() | table.invariant.keys() <= shapes
+            for launch in [*table.decode.values(), *table.gated.values()]:
                 assert 1 <= launch.max_rows <= DECODE_ROWS and launch.tiles.block_m == DECODE_ROWS
             for (N, K), by_rows in table.invariant.items():
                 assert set(by_rows) <= set(INVARIANT_ROWS)

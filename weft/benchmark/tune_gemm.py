@@ -1,7 +1,7 @@
 """Tune the decode GEMMs of weft.layers.linear on this GPU: for each weight shape of the given models, time every
 candidate launch (TILES x splits) at 1 and DECODE_ROWS rows, keep the fastest, and beside cuBLAS at 1 .. DECODE_ROWS
 rows find the most rows it is faster at (by MARGIN). A shape where cuBLAS wins at one row gets no entry (its layer
-keeps cuBLAS).
+keeps cuBLAS). An MLP's gate_up is tuned gated: SiLU x up in the launch, against cuBLAS and the SiLU x up kernel.
 
     python -m weft.benchmark.tune_gemm [--models qwen3-0.6b ...] [--invariant] [--write]
 
@@ -26,6 +26,7 @@ from triton.runtime.errors import OutOfResources
 from weft.benchmark.environment import copy_bandwidth_gbps, device_name, git_sha, graph_seconds
 from weft.config import ModelConfig
 from weft.inference.config import DTYPES
+from weft.layers.fused import silu_and_mul
 from weft.layers.linear import (
     DECODE_ROWS,
     DECODE_TILES,
@@ -76,23 +77,26 @@ class Shape:
         self.x = torch.randn(rows, K, device="cuda", dtype=dtype)
         self.bytes = N * K * dtype.itemsize
 
-    def triton_s(self, launch: DecodeLaunch, M: int, rounds: int = 5) -> float:
+    def triton_s(self, launch: DecodeLaunch, M: int, rounds: int = 5, gated: bool = False) -> float:
         x = self.x[:M]
-        return graph_seconds([lambda w=w: decode_matmul(x, w, None, launch) for w in self.weights], rounds)
+        return graph_seconds([lambda w=w: decode_matmul(x, w, None, launch, gated) for w in self.weights], rounds)
 
     def invariant_s(self, tiles: Tiles, split: bool, M: int) -> float:
         x = self.x[:M]
         return graph_seconds([lambda w=w: matmul_kernel(x, w, None, split, tiles) for w in self.weights])
 
-    def cublas_s(self, M: int, rounds: int = 5) -> float:
+    def cublas_s(self, M: int, rounds: int = 5, gated: bool = False) -> float:
+        """cuBLAS's product (gated: then weft.layers.fused's SiLU x up)."""
         x = self.x[:M]
+        if gated:
+            return graph_seconds([lambda w=w: silu_and_mul(F.linear(x, w)) for w in self.weights], rounds)
         return graph_seconds([lambda w=w: F.linear(x, w) for w in self.weights], rounds)
 
-    def candidates(self) -> list[DecodeLaunch]:
+    def candidates(self, gated: bool = False) -> list[DecodeLaunch]:
         """Every tile of TILES with each count of splits that gives distinct chunks and not too many programs."""
         out = []
         for block_n, block_k, warps, stages in TILES:
-            n_tiles = -(-self.N // block_n)
+            n_tiles = -(-(self.N // 2 if gated else self.N) // block_n)
             seen = set()
             for want in SPLITS:
                 splits = chunks(self.K, block_k, want).splits
@@ -103,14 +107,15 @@ class Shape:
         return out
 
 
-def tune(N: int, K: int, dtype: torch.dtype, copy_gbps: float) -> DecodeLaunch | None:
+def tune(N: int, K: int, dtype: torch.dtype, copy_gbps: float, gated: bool = False) -> DecodeLaunch | None:
     """The fastest candidate for (N, K), with the most rows it beats cuBLAS at; None if cuBLAS wins at one row.
-    (A bias is added after the sums, and costs the same in both.)"""
+    `gated`: an MLP's gate and up, SiLU x up in the launch against cuBLAS and weft.layers.fused's SiLU x up after
+    it. (A bias is added after the sums, and costs the same in both.)"""
     shape = Shape(N, K, dtype)
     floor = shape.bytes / (copy_gbps * 1e9)
     timed = []
-    for launch in shape.candidates():
-        t1, t16 = shape.triton_s(launch, 1), shape.triton_s(launch, DECODE_ROWS)
+    for launch in shape.candidates(gated):
+        t1, t16 = shape.triton_s(launch, 1, gated=gated), shape.triton_s(launch, DECODE_ROWS, gated=gated)
         timed.append((t1 + t16, launch))
         print(f"  {N}x{K} {launch.tiles.block_n}x{launch.block_k}w{launch.tiles.num_warps}s{launch.tiles.num_stages}"
               f" splits={launch.splits}: M=1 {t1 * 1e6:.1f} us ({floor / t1:.0%} of copy), M={DECODE_ROWS} "
@@ -118,7 +123,7 @@ def tune(N: int, K: int, dtype: torch.dtype, copy_gbps: float) -> DecodeLaunch |
     best = min(timed, key=lambda t: t[0])[1]
     max_rows = 0
     for M in ROWS:
-        ours, theirs = shape.triton_s(best, M, VERIFY_ROUNDS), shape.cublas_s(M, VERIFY_ROUNDS)
+        ours, theirs = shape.triton_s(best, M, VERIFY_ROUNDS, gated), shape.cublas_s(M, VERIFY_ROUNDS, gated)
         print(f"= {N}x{K} M={M}: tuned {ours * 1e6:.1f} us ({floor / ours:.0%} of copy), cuBLAS {theirs * 1e6:.1f} us "
               f"({floor / theirs:.0%}), {theirs / ours:.2f}x", flush=True)
         if ours > MARGIN * theirs:
@@ -174,27 +179,31 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("tune_gemm needs a CUDA GPU")
     dtype, gpu, copy_gbps = DTYPES[args.dtype], device_name("cuda"), copy_bandwidth_gbps()
-    section = "invariant" if args.invariant else "decode"
-    print(f"# {section}: {gpu}, {args.dtype}, commit {git_sha()}, copy {copy_gbps:.0f} GB/s (read + written)",
-          flush=True)
-    table: dict[str, dict | None] = {}
+    print(f"# {'invariant' if args.invariant else 'decode'}: {gpu}, {args.dtype}, commit {git_sha()}, copy "
+          f"{copy_gbps:.0f} GB/s (read + written)", flush=True)
+    names = ["invariant"] if args.invariant else ["decode", "gated"]
+    sections: dict[str, dict[str, dict | None]] = {name: {} for name in names}
     for model in args.models:
         cfg = resolve_model(model).config
         for name, (N, K) in layer_shapes(cfg).items():
+            # the MLP's gate_up runs with SiLU x up after it: its decode launches are the gated ones
+            section = "invariant" if args.invariant else "gated" if name == "gate_up" else "decode"
             key = f"{N}x{K}"
-            if key in table:
+            if key in sections[section]:
                 continue
             print(f"# {model} {name} N={N} K={K}", flush=True)
             if args.invariant:  # the LM head computes only the rows that need logits: at most max_num_seqs
-                table[key] = tune_invariant(N, K, dtype, LOGIT_ROWS if name == "lm_head" else INVARIANT_ROWS[-1])
+                sections[section][key] = tune_invariant(N, K, dtype,
+                                                        LOGIT_ROWS if name == "lm_head" else INVARIANT_ROWS[-1])
             else:
-                launch = tune(N, K, dtype, copy_gbps)
-                table[key] = launch.record() if launch else None
-    entries = {key: entry for key, entry in table.items() if entry is not None}
+                launch = tune(N, K, dtype, copy_gbps, gated=section == "gated")
+                sections[section][key] = launch.record() if launch else None
+    entries = {section: {key: entry for key, entry in sorted(table.items()) if entry is not None}
+               for section, table in sections.items()}
     print(json.dumps(entries, indent=1))
     if args.write:
         data = json.loads(TUNED.read_text())
-        data.setdefault(gpu, {}).setdefault(args.dtype, {})[section] = dict(sorted(entries.items()))
+        data.setdefault(gpu, {}).setdefault(args.dtype, {}).update(entries)
         TUNED.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 

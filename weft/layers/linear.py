@@ -34,13 +34,15 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from weft.layers.fused import silu_times
+
 BLOCK_K = 128  # the one step along K: every tile shape sums a row's products in these steps, in order
 PLAN_BLOCK_N = 64  # the tile width `plan` counts programs in (whatever width a launch then uses)
 PROGRAMS = 256  # the programs a one-tile decode should spread over (about two per SM on an H200's 132)
 COUNTERS = 4096  # arrival counters per device: the most tiles a split launch may have
 ROWS = 16  # the CPU's row block
 DECODE_ROWS = 16  # the most rows a tuned decode launch serves: one tile of mma.sync's 16 rows
-# {gpu: {dtype: {"decode": {"NxK": DecodeLaunch}, "invariant": {"NxK": {rows: (Tiles, split)}}}}}, as
+# {gpu: {dtype: {"decode" and "gated": {"NxK": DecodeLaunch}, "invariant": {"NxK": {rows: (Tiles, split)}}}}}, as
 # weft.benchmark.tune_gemm writes it
 TUNED = Path(__file__).with_name("tuned_gemms.json")
 INVARIANT_ROWS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # each row count's launch serves rows past the last
@@ -168,56 +170,90 @@ def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, chunk_k, K, stride_xm, strid
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     splits, chunk_k, CHUNKED: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Rows past M are masked (a decode's one row loads one row: clamped, the tile's rows each loaded it again, and
-    # decodes ran slower, results/logs/h200_tune_gemm_58661a0.log); columns past N are clamped: they read real
-    # memory, and their results are not stored.
+    # decodes ran slower, results/logs/h200_tune_gemm_58661a0.log); columns past the output's are clamped: they read
+    # real memory, and their results are not stored. GATED: the weight is an MLP's gate, then its up, and a tile
+    # sums both halves' columns for SiLU(gate) x up.
     if SPLIT_GRID:
         split, pid_n, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     else:
         split, pid_n, pid_m = 0, tl.program_id(0), tl.program_id(1)
+    if GATED:
+        n_out = N // 2
+    else:
+        n_out = N
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, cols_in = rows < M, tl.minimum(cols, N - 1)
-    out_ok = row_ok[:, None] & (cols < N)[None, :]
+    row_ok, cols_in = rows < M, tl.minimum(cols, n_out - 1)
+    out_ok = row_ok[:, None] & (cols < n_out)[None, :]
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SPLIT_GRID:
+        at = partials_ptr + split * M * N + rows[:, None] * N + cols[None, :]
         acc = _chunk(x_ptr, w_ptr, rows, row_ok, cols_in, split * chunk_k, chunk_k, K, stride_xm, stride_wn,
                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        at = rows[:, None] * N + cols[None, :]
-        tl.store(partials_ptr + split * M * N + at, acc, mask=out_ok)
+        tl.store(at, acc, mask=out_ok)
+        if GATED:
+            acc = _chunk(x_ptr, w_ptr, rows, row_ok, cols_in + n_out, split * chunk_k, chunk_k, K, stride_xm,
+                         stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+            tl.store(at + n_out, acc, mask=out_ok)
         tl.debug_barrier()  # every thread's partials are issued before the arrival counts
         counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
         last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1
         if last:
             for s in range(splits):  # the last to arrive adds the chunks in order
-                total += tl.load(partials_ptr + s * M * N + at, mask=out_ok, other=0.0, cache_modifier=".cg")
+                total += tl.load(at + (s - split) * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    up += tl.load(at + (s - split) * M * N + n_out, mask=out_ok, other=0.0, cache_modifier=".cg")
             tl.store(counter, 0)  # ready for the next launch
-            _store(out_ptr, bias_ptr, total, rows, cols, cols_in, out_ok, stride_om, HAS_BIAS)
+            _store(out_ptr, bias_ptr, total, up, rows, cols, cols_in, out_ok, stride_om, n_out, HAS_BIAS, GATED)
     else:
-        # One loop over every chunk's steps (so loads run ahead across chunk ends): at a chunk's last step its sum
-        # joins the total and starts again from 0, by selects, which change no bits.
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        steps = chunk_k // BLOCK_K
-        for i in range(0, splits * steps):
-            a, b = _operands(x_ptr, w_ptr, rows, row_ok, cols_in, i * BLOCK_K, K, stride_xm, stride_wn, BLOCK_K, EVEN_K)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-            if CHUNKED:
-                end = i % steps == steps - 1
-                total = tl.where(end, total + acc, total)
-                acc = tl.where(end, 0.0, acc)
-        if not CHUNKED:  # one chunk: its sum joins the total after the loop
-            total += acc
-        _store(out_ptr, bias_ptr, total, rows, cols, cols_in, out_ok, stride_om, HAS_BIAS)
+        total = _whole(x_ptr, w_ptr, rows, row_ok, cols_in, K, stride_xm, stride_wn, splits, chunk_k, CHUNKED, EVEN_K,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
+        if GATED:
+            up = _whole(x_ptr, w_ptr, rows, row_ok, cols_in + n_out, K, stride_xm, stride_wn, splits, chunk_k,
+                        CHUNKED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        _store(out_ptr, bias_ptr, total, up, rows, cols, cols_in, out_ok, stride_om, n_out, HAS_BIAS, GATED)
 
 
 @triton.jit
-def _store(out_ptr, bias_ptr, total, rows, cols, cols_in, out_ok, stride_om, HAS_BIAS: tl.constexpr):
-    """The tile's float32 sums (+ the bias) rounded to the output's dtype."""
+def _whole(x_ptr, w_ptr, rows, row_ok, cols, K, stride_xm, stride_wn, splits, chunk_k, CHUNKED: tl.constexpr,
+           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[rows] @ w[cols]^T [BLOCK_M, BLOCK_N] in float32 over all of K, its chunks' sums added in order. One loop over
+    every chunk's steps (so loads run ahead across chunk ends): at a chunk's last step its sum joins the total and
+    starts again from 0, by selects, which change no bits."""
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    steps = chunk_k // BLOCK_K
+    for i in range(0, splits * steps):
+        a, b = _operands(x_ptr, w_ptr, rows, row_ok, cols, i * BLOCK_K, K, stride_xm, stride_wn, BLOCK_K, EVEN_K)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+        if CHUNKED:
+            end = i % steps == steps - 1
+            total = tl.where(end, total + acc, total)
+            acc = tl.where(end, 0.0, acc)
+    if not CHUNKED:  # one chunk: its sum joins the total after the loop
+        total += acc
+    return total
+
+
+@triton.jit
+def _store(out_ptr, bias_ptr, total, up, rows, cols, cols_in, out_ok, stride_om, n_out, HAS_BIAS: tl.constexpr,
+           GATED: tl.constexpr):
+    """The tile's float32 sums (+ the bias) rounded to the output's dtype; GATED: those of the gate and of the up
+    (`up`, + its bias) rounded so, then SiLU(gate) x up as weft.layers.fused's kernel computes it from them."""
+    dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         total += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], total.to(out_ptr.dtype.element_ty), mask=out_ok)
+        if GATED:
+            up += tl.load(bias_ptr + n_out + cols_in).to(tl.float32)[None, :]
+    if GATED:
+        out = silu_times(total.to(dtype), up.to(dtype), dtype)
+    else:
+        out = total.to(dtype)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=out_ok)
 
 
 @functools.cache
@@ -266,16 +302,18 @@ def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: Tiles, block_k: int,
-            p: MatmulPlan, split: bool) -> torch.Tensor:
+            p: MatmulPlan, split: bool, gated: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N]: `t`'s tiles summing p's chunks of K in block_k steps, one
-    program per chunk (`split`) or per tile."""
+    program per chunk (`split`) or per tile. `gated`: weight is an MLP's gate, then its up; -> SiLU(gate) x up
+    [M, N / 2]."""
     M, K = x.shape
     N = weight.shape[0]
-    assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == K
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == K and not (gated and N % 2)
+    n_out = N // 2 if gated else N
+    out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    m_tiles, n_tiles = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n)
+    m_tiles, n_tiles = triton.cdiv(M, t.block_m), triton.cdiv(n_out, t.block_n)
     partials = torch.empty(p.splits, M, N, dtype=torch.float32, device=x.device) if split else out
     counters = _counters(x.device) if x.is_cuda else torch.zeros(m_tiles * n_tiles, dtype=torch.int32)
     grid = (p.splits, n_tiles, m_tiles) if split else (n_tiles, m_tiles)
@@ -283,7 +321,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t:
         x, weight, bias if bias is not None else weight, out, partials, counters, M, N, K,
         x.stride(0), weight.stride(0), out.stride(0),
         p.splits, p.chunk_k, CHUNKED=p.splits > 1, SPLIT_GRID=split, HAS_BIAS=bias is not None,
-        EVEN_K=p.splits * p.chunk_k == K,
+        EVEN_K=p.splits * p.chunk_k == K, GATED=gated,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
@@ -322,9 +360,11 @@ class DecodeLaunch:
 @dataclass(frozen=True)
 class TunedLaunches:
     """The launches the tuner found fastest on one GPU for one dtype, by weight shape (N, K): for a decode's few
-    rows where they beat cuBLAS, and for the batch-invariant kernel by INVARIANT_ROWS."""
+    rows where they beat cuBLAS (`gated`: an MLP's gate and up with SiLU x up after, where they beat cuBLAS and
+    weft.layers.fused's SiLU x up), and for the batch-invariant kernel by INVARIANT_ROWS."""
 
     decode: dict[tuple[int, int], DecodeLaunch]
+    gated: dict[tuple[int, int], DecodeLaunch]
     invariant: dict[tuple[int, int], dict[int, tuple[Tiles, bool]]]
 
 
@@ -338,8 +378,12 @@ def tuned(gpu: str, dtype: torch.dtype) -> TunedLaunches:
         N, K = key.split("x")
         return int(N), int(K)
 
+    def launches(section: str) -> dict[tuple[int, int], DecodeLaunch]:
+        return {shape(key): DecodeLaunch.from_record(entry) for key, entry in table.get(section, {}).items()}
+
     return TunedLaunches(
-        {shape(key): DecodeLaunch.from_record(entry) for key, entry in table.get("decode", {}).items()},
+        launches("decode"),
+        launches("gated"),
         {shape(key): {int(rows): invariant_launch(entry) for rows, entry in by_rows.items()}
          for key, by_rows in table.get("invariant", {}).items()},
     )
@@ -355,17 +399,19 @@ def _gpu_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def decode_launch(M: int, weight: torch.Tensor) -> DecodeLaunch | None:
-    """The tuned launch for M rows of `weight` [N, K] on its GPU; None off CUDA, past the launch's rows, or where
-    cuBLAS was as fast."""
+def decode_launch(M: int, weight: torch.Tensor, gated: bool = False) -> DecodeLaunch | None:
+    """The tuned launch for M rows of `weight` [N, K] on its GPU (`gated`: of an MLP's gate and up, for SiLU(gate) x
+    up); None off CUDA, past the launch's rows, or where cuBLAS (and weft.layers.fused's SiLU x up) was as fast."""
     if M > DECODE_ROWS or not weight.is_cuda:
         return None
-    launch = tuned(_gpu_name(weight.device.index), weight.dtype).decode.get(tuple(weight.shape))
+    table = tuned(_gpu_name(weight.device.index), weight.dtype)
+    launch = (table.gated if gated else table.decode).get(tuple(weight.shape))
     return launch if launch is not None and M <= launch.max_rows else None
 
 
-def decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  launch: DecodeLaunch) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] by `launch` (M <= DECODE_ROWS)."""
+def decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: DecodeLaunch,
+                  gated: bool = False) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] by `launch` (M <= DECODE_ROWS); `gated`: weight is an MLP's
+    gate, then its up -> SiLU(gate) x up [M, N / 2], the bits of weft.layers.fused.silu_and_mul over the product."""
     p = chunks(x.shape[1], launch.block_k, launch.splits)
-    return _launch(x, weight, bias, launch.tiles, launch.block_k, p, p.splits > 1)
+    return _launch(x, weight, bias, launch.tiles, launch.block_k, p, p.splits > 1, gated)

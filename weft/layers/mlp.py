@@ -1,4 +1,5 @@
-"""SwiGLU MLP with gate and up projections fused into one matmul (and on CUDA SiLU x up in one kernel)."""
+"""SwiGLU MLP with gate and up projections fused into one matmul (and on CUDA SiLU x up in one kernel, or in a
+decode's tuned matmul launch)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from torch import nn
 
 from weft.distributed import TensorParallel
 from weft.layers import exact, fused
-from weft.layers.linear import Linear
+from weft.layers.linear import Linear, decode_launch, decode_matmul
 from weft.layers.parallel import RowParallelLinear
 
 
@@ -23,6 +24,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T_total, E] -> [T_total, E]"""
+        w, b = self.gate_up_proj.weight, self.gate_up_proj.bias
+        if self.kernels and not self.batch_invariant and (launch := decode_launch(x.shape[0], w, gated=True)):
+            return self.down_proj(decode_matmul(x.contiguous(), w, b, launch, gated=True))  # SiLU x up in its epilogue
         gate_up = self.gate_up_proj(x)
         if self.kernels and fused.on_kernels(gate_up):
             return self.down_proj(fused.silu_and_mul(gate_up))
