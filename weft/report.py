@@ -361,6 +361,15 @@ def determinism_notes(df: pd.DataFrame) -> list[str]:
     return notes
 
 
+def decode_gemm_notes(df: pd.DataFrame) -> list[str]:
+    """e17_kernel: what its times count."""
+    return ["time: GPU time per call replayed from a CUDA graph over copies of the weight that together outgrow the"
+            " L2; % of copy: the weight's bytes at the copy bandwidth over the time. launch: the tuned launch weft"
+            " runs (tiles, step along K, warps, stages, splits of K), or cublas where none beat cuBLAS by 3%."
+            " gate_up: with the MLP's SiLU x up after it, in weft's launch or by weft's SiLU x up kernel after"
+            " cuBLAS."]
+
+
 def itl_peer_notes(df: pd.DataFrame) -> list[str]:
     """e17_itl: per model, weft's batch-1 ITL p50 over its weights floor and over HF's (the same run)."""
     notes = []
@@ -379,7 +388,7 @@ NOTES: dict[str, Callable[[pd.DataFrame], list[str]]] = {
     "e2": batch_sweep_notes, "e4": clock_notes, "e9": serving_notes, "e11": prefix_cache_notes,
     "e12": ablation_notes, "e13": profile_notes, "e14": sampling_notes, "e15": batch_sweep_notes,
     "e15_e8": peer_notes, "e15_itl": family_notes, "e15_kernel": kernel_notes, "e16": determinism_notes,
-    "e17_itl": itl_peer_notes,
+    "e17_kernel": decode_gemm_notes, "e17_itl": itl_peer_notes,
 }
 
 

@@ -251,6 +251,35 @@ def e16(df: pd.DataFrame) -> Figure:
     return fig
 
 
+def e17_kernel(df: pd.DataFrame) -> Figure:
+    """Each linear layer's share of the copy bandwidth at one row, weft's launch beside cuBLAS, a panel per model."""
+    one = df[df["M"] == 1]
+    bars = pd.concat([one.assign(pct=one["pct_of_copy"], kernel="weft"),
+                      one.assign(pct=one["cublas_pct_of_copy"], kernel="cuBLAS")])
+    models = list(dict.fromkeys(one["model"]))
+    fig, axes = _figure(len(models))
+    for ax, model in zip(axes, models, strict=True):
+        sns.barplot(data=bars[bars["model"] == model], x="layer", y="pct", hue="kernel", ax=ax)
+        ax.set_title(model)
+        ax.set_xlabel("")
+        ax.set_ylabel("% of copy bandwidth, one row")
+        ax.legend(fontsize="x-small")
+    return fig
+
+
+def e17_itl(df: pd.DataFrame) -> Figure:
+    """Batch-1 ITL p50 per model, weft beside HF's compiled static cache; a dashed line at each model's weights
+    floor."""
+    fig, (ax,) = _figure(1)
+    df = _with_ms(df)
+    _bars(ax, df, *ITL, x="model")
+    for i, r in enumerate(df.drop_duplicates("model").itertuples()):  # the bars' order: models as they first come
+        ax.hlines(r.weights_floor_s * MS, i - 0.4, i + 0.4, colors="black", linestyles="--",
+                  label="weights floor" if i == 0 else None)
+    ax.legend(fontsize="x-small")
+    return fig
+
+
 CHARTS: dict[str, Callable[[pd.DataFrame], Figure]] = {
     "e1": e1,
     "e2": e2,
@@ -263,6 +292,8 @@ CHARTS: dict[str, Callable[[pd.DataFrame], Figure]] = {
     "e9": e9,
     "e11": e11,
     "e16": e16,
+    "e17_kernel": e17_kernel,
+    "e17_itl": e17_itl,
 }
 
 
