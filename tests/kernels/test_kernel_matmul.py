@@ -90,13 +90,19 @@ def test_the_plan_depends_on_n_and_k_alone_and_splits_only_where_a_tile_is_short
     assert launch_for(1, 1024, 2048, torch.float32) == (FLOAT32_TILES, True)
 
 
-@pytest.mark.parametrize("shape", [(4096, 1024), (1024, 2048), (151936, 1024), (64, 256), (6144, 2560)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_launch_variants_are_every_launch_any_row_count_makes(shape, dtype):
-    """What `prepare` compiles at start: every (tiles, split) some M up to the step's rows is launched with."""
-    N, K = shape
-    for max_rows in (1, 31, 64, 65, 300, 8192):
-        assert launch_variants(N, K, dtype, max_rows) == {launch_for(M, N, K, dtype) for M in range(1, max_rows + 1)}
+def test_prepare_compiles_the_launches_each_row_count_makes():
+    """launch_variants (what prepare compiles at start): the rule of thumb's few launches for an untuned GPU, and
+    on a tuned one the table's launch for each of INVARIANT_ROWS the rows reach."""
+    N, K = 1024, 2048
+    assert launch_variants(N, K, torch.bfloat16, 64) == {(DECODE_TILES, True)}
+    assert launch_variants(N, K, torch.bfloat16, 8192) == {(DECODE_TILES, True), (DECODE_TILES, False),
+                                                           (PREFILL_TILES, False)}
+    assert launch_variants(N, K, torch.float32, 8192) == {(FLOAT32_TILES, True), (FLOAT32_TILES, False)}
+    for gpu in json.loads(TUNED.read_text()):
+        for (N, K), by_rows in tuned(gpu, torch.bfloat16).invariant.items():
+            assert launch_variants(N, K, torch.bfloat16, 100, gpu) == {by_rows[r] for r in (16, 64, 128)}
+            if set(by_rows) == set(INVARIANT_ROWS):  # (the LM head's stop at max_num_seqs)
+                assert launch_variants(N, K, torch.bfloat16, INVARIANT_ROWS[-1], gpu) == set(by_rows.values())
 
 
 # In a process of its own: the kernel compiles once per tile (the plan is an argument), so in the tests' process

@@ -268,15 +268,18 @@ def e17_kernel(df: pd.DataFrame) -> Figure:
 
 
 def e17_itl(df: pd.DataFrame) -> Figure:
-    """Batch-1 ITL p50 per model, weft beside HF's compiled static cache; a dashed line at each model's weights
-    floor."""
-    fig, (ax,) = _figure(1)
-    df = _with_ms(df)
-    _bars(ax, df, *ITL, x="model")
+    """Batch-1 ITL p50 per model, weft beside HF's compiled static cache, a dashed line at each model's weights floor;
+    and each over that floor."""
+    fig, (itl, ratio) = _figure(2)
+    df = _with_ms(df).assign(over_floor=df["itl_p50_s"] / df["weights_floor_s"])
+    _bars(itl, df, *ITL, x="model")
     for i, r in enumerate(df.drop_duplicates("model").itertuples()):  # the bars' order: models as they first come
-        ax.hlines(r.weights_floor_s * MS, i - 0.4, i + 0.4, colors="black", linestyles="--",
-                  label="weights floor" if i == 0 else None)
-    ax.legend(fontsize="x-small")
+        itl.hlines(r.weights_floor_s * MS, i - 0.4, i + 0.4, colors="black", linestyles="--",
+                   label="weights floor" if i == 0 else None)
+    _bars(ratio, df, "over_floor", "ITL p50 ÷ weights floor", x="model")
+    ratio.axhline(1.0, color="black", linestyle="--")
+    for ax in (itl, ratio):
+        ax.legend(fontsize="x-small")
     return fig
 
 
