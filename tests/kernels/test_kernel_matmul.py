@@ -109,28 +109,36 @@ def test_prepare_compiles_the_launches_each_row_count_makes():
 # other tests may have compiled every launch prepare would.
 PREPARE_SCRIPT = """
 import json, torch, triton
-from weft.layers.linear import Linear, prepare
-layer = Linear(768, 3072, bias=True).to("cuda", torch.bfloat16)
-layer.batch_invariant = True
-compiled = []
+from weft.layers.linear import Linear, decode_launch, prepare
+compiled, found = [], []
 triton.knobs.runtime.jit_cache_hook = lambda **kw: compiled.append(kw["fn"].name)
-prepare(layer, torch.device("cuda"), 300)
-at_prepare = list(compiled)
-compiled.clear()
-for M in (1, 7, 64, 65, 200, 300):
-    layer(torch.randn(M, 768, device="cuda", dtype=torch.bfloat16))
-print(json.dumps([at_prepare, compiled]))
+invariant = Linear(768, 3072, bias=True).to("cuda", torch.bfloat16)
+invariant.batch_invariant = True
+plain = Linear(2048, 1024, bias=False).to("cuda", torch.bfloat16)  # Qwen3-0.6B's o_proj: tuned on the H200
+for layer, rows in ((invariant, (1, 7, 64, 65, 200, 300)), (plain, (1, 4, 16))):
+    prepare(layer, torch.device("cuda"), 300)
+    at_prepare = list(compiled)
+    compiled.clear()
+    for M in rows:
+        layer(torch.randn(M, layer.in_features, device="cuda", dtype=torch.bfloat16))
+    found.append([at_prepare, list(compiled)])
+    compiled.clear()
+print(json.dumps([found, decode_launch(1, plain.weight) is not None]))
 """
 
 
 @pytest.mark.gpu
 def test_after_prepare_no_row_count_compiles_a_kernel():
-    """A serving run compiles nothing in its steps: prepare compiled every launch up to its rows."""
+    """A serving run compiles nothing in its steps: prepare compiled every launch up to its rows, of a
+    batch-invariant layer and (where this GPU has a tuned decode launch for it) of a default one."""
     done = subprocess.run([sys.executable, "-c", PREPARE_SCRIPT], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    at_prepare, in_steps = json.loads(done.stdout.strip().splitlines()[-1])
+    ((at_prepare, in_steps), (plain_at_prepare, plain_in_steps)), tuned_here = json.loads(
+        done.stdout.strip().splitlines()[-1])
     assert at_prepare, "prepare compiled nothing"
     assert in_steps == []
+    assert bool(plain_at_prepare) == tuned_here
+    assert plain_in_steps == []
 
 
 # decode launches: one chunk, chunks that divide K, a last chunk past K's end; narrow and wide tiles
@@ -141,16 +149,18 @@ DECODE_LAUNCHES = [DecodeLaunch(Tiles(DECODE_ROWS, n, 4, 3), k, s, DECODE_ROWS)
 @pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
 @pytest.mark.parametrize("launch", DECODE_LAUNCHES, ids=lambda d: f"{d.tiles.block_n}x{d.block_k}s{d.splits}")
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_decode_launches_match_float64_and_a_rows_bits_do_not_follow_m(device, dtype, launch, bias):
+@pytest.mark.parametrize("K", [1000, 1536], ids=["K-ragged", "K-even"])  # chunks past K's end, or ending at it
+def test_decode_launches_match_float64_and_a_rows_bits_do_not_follow_m(device, dtype, launch, bias, K):
     """The default mode's decode GEMM: any tuned launch is a correct product, and its order is fixed by the launch
     (for a weight, by (N, K)), so a row gets the same bits beside 0 or 15 others."""
-    N, K = 200, 1000
+    N = 200
     x, w, b = operands(N, K, dtype, device, bias, M=DECODE_ROWS)
     full = decode_matmul(x, w, b, launch)
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-3)
     assert ((full.double() - want) / scale).abs().max() <= TOL[dtype]
-    assert chunks(K, launch.block_k, launch.splits).splits == launch.splits  # the cases split as they say
+    p = chunks(K, launch.block_k, launch.splits)
+    assert p.splits == launch.splits and (p.splits * p.chunk_k == K) == (K == 1536)  # the cases are what they say
     for offset, M in ((0, 1), (7, 1), (3, 5)):
         assert torch.equal(decode_matmul(x[offset : offset + M].contiguous(), w, b, launch), full[offset : offset + M])
 
@@ -158,10 +168,11 @@ def test_decode_launches_match_float64_and_a_rows_bits_do_not_follow_m(device, d
 @pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
 @pytest.mark.parametrize("launch", DECODE_LAUNCHES, ids=lambda d: f"{d.tiles.block_n}x{d.block_k}s{d.splits}")
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_a_gated_decode_launch_is_silu_and_mul_of_its_product(device, dtype, launch, bias):
+@pytest.mark.parametrize("K", [1000, 1536], ids=["K-ragged", "K-even"])
+def test_a_gated_decode_launch_is_silu_and_mul_of_its_product(device, dtype, launch, bias, K):
     """SiLU x up in the launch's epilogue: the bits of the product followed by weft.layers.fused's SiLU x up kernel,
     and SiLU(gate) x up in float64 within the dtype's rounding."""
-    N, K = 2 * 100, 1000
+    N = 2 * 100
     x, w, b = operands(N, K, dtype, device, bias, M=DECODE_ROWS)
     got = decode_matmul(x, w, b, launch, gated=True)
     assert got.shape == (DECODE_ROWS, N // 2)
@@ -170,6 +181,32 @@ def test_a_gated_decode_launch_is_silu_and_mul_of_its_product(device, dtype, lau
     want = F.silu(gate) * up
     scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-3)
     assert ((got.double() - want) / scale).abs().max() <= 4 * TOL[dtype]
+
+
+def test_a_decode_runs_the_mlp_and_its_linear_layers_through_their_launches(monkeypatch):
+    """Where decode_launch finds a launch, SwiGLU runs gate_up gated (SiLU x up in the launch) and down_proj plain;
+    with the kernels off, PyTorch's ops. A fixed launch stands in for the table, which holds GPUs' entries only."""
+    from weft.distributed import SINGLE
+    from weft.layers import linear, mlp
+
+    launch = DECODE_LAUNCHES[1]
+    asked = []
+
+    def lookup(M, weight, gated=False):
+        asked.append((tuple(weight.shape), gated))
+        return launch
+
+    monkeypatch.setattr(linear, "decode_launch", lookup)
+    monkeypatch.setattr(mlp, "decode_launch", lookup)
+    layer = mlp.SwiGLU(64, 96, False, SINGLE)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    got = layer(x)
+    assert asked == [((192, 64), True), ((64, 96), False)]
+    inner = decode_matmul(x, layer.gate_up_proj.weight, None, launch, gated=True)
+    assert torch.equal(got, decode_matmul(inner, layer.down_proj.weight, None, launch))
+    for module in (layer, layer.gate_up_proj, layer.down_proj):
+        module.kernels = False
+    assert torch.allclose(layer(x), got, atol=1e-5) and len(asked) == 2
 
 
 def test_the_tuned_table_names_real_layers_and_reads_back_what_the_tuner_writes():

@@ -158,6 +158,8 @@ def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict[s
                 timed.append((shape.invariant_s(tiles, split, M), tiles, split))
                 print(f"  {N}x{K} M={M} {block_m}x{block_n}w{warps}s{stages} split={split}: "
                       f"{timed[-1][0] * 1e6:.1f} us", flush=True)
+        if not timed:
+            raise RuntimeError(f"{N}x{K} M={M}: no candidate fits the GPU and keeps the bits")
         seconds, tiles, split = min(timed, key=lambda t: t[0])
         cublas = shape.cublas_s(M)
         print(f"= {N}x{K} M={M}: {tiles} split={split} {seconds * 1e6:.1f} us, cuBLAS {cublas * 1e6:.1f} us, "
@@ -198,12 +200,16 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 launch = tune(N, K, dtype, copy_gbps, gated=section == "gated")
                 sections[section][key] = launch.record() if launch else None
-    entries = {section: {key: entry for key, entry in sorted(table.items()) if entry is not None}
-               for section, table in sections.items()}
-    print(json.dumps(entries, indent=1))
-    if args.write:
+    print(json.dumps(sections, indent=1))
+    if args.write:  # the shapes tuned now replace their entries (or, where cuBLAS won, drop them); the others stay
         data = json.loads(TUNED.read_text())
-        data.setdefault(gpu, {}).setdefault(args.dtype, {}).update(entries)
+        for section, table in sections.items():
+            entries = data.setdefault(gpu, {}).setdefault(args.dtype, {}).setdefault(section, {})
+            for key, entry in table.items():
+                if entry is None:
+                    entries.pop(key, None)
+                else:
+                    entries[key] = entry
         TUNED.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 

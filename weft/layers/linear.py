@@ -45,7 +45,8 @@ DECODE_ROWS = 16  # the most rows a tuned decode launch serves: one tile of mma.
 # {gpu: {dtype: {"decode" and "gated": {"NxK": DecodeLaunch}, "invariant": {"NxK": {rows: (Tiles, split)}}}}}, as
 # weft.benchmark.tune_gemm writes it
 TUNED = Path(__file__).with_name("tuned_gemms.json")
-INVARIANT_ROWS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # each row count's launch serves rows past the last
+# the row counts the invariant launches are tuned at: each one's launch serves the rows above the count before it
+INVARIANT_ROWS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class Linear(nn.Linear):
@@ -101,7 +102,8 @@ def launch_for(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
     if gpu is not None and (by_rows := tuned(gpu, dtype).invariant.get((N, K))):
         rows = next((r for r in INVARIANT_ROWS if M <= r), None)
         if rows in by_rows:
-            return by_rows[rows]
+            tiles, split = by_rows[rows]
+            return tiles, split and plan(N, K).splits > 1
     small, large = tile_choices(dtype)
 
     def programs(t: Tiles) -> int:
@@ -130,6 +132,7 @@ def plan(N: int, K: int) -> MatmulPlan:
     return chunks(K, BLOCK_K, max(1, min(PROGRAMS // tiles, steps // 2)))
 
 
+@functools.cache
 def chunks(K: int, block_k: int, want: int) -> MatmulPlan:
     """K in about `want` chunks of whole block_k steps (fewer where the steps do not divide evenly)."""
     chunk_k = triton.cdiv(triton.cdiv(K, block_k), want) * block_k
@@ -270,23 +273,31 @@ def launch_variants(N: int, K: int, dtype: torch.dtype, max_rows: int,
 
 
 def prepare(model: nn.Module, device: torch.device, max_rows: int) -> None:
-    """Allocate the device's counters, and compile each launch `model`'s batch-invariant layers may make for up to
-    `max_rows` rows, now: outside any CUDA graph capture, and not in a step (the LM head, run eagerly on each
-    step's rows, met its few-row tiles only once a run's batch had shrunk: results/logs/h200_9c50836_e16.log)."""
+    """Allocate the device's counters, and compile now each launch `model`'s linear layers may make for up to
+    `max_rows` rows (batch-invariant ones: each of `launch_variants`; the others: their tuned decode launches, plain
+    and, for an MLP's gate_up, gated): outside any CUDA graph capture, and not in a step. The LM head, run eagerly
+    on each step's rows, meets its few-row launches only once a run's batch has shrunk
+    (results/logs/h200_9c50836_e16.log)."""
     if device.type != "cuda":
         return
     _counters(device)
     compiled = set()
     for layer in model.modules():
-        if not (isinstance(layer, Linear) and layer.batch_invariant):
+        if not isinstance(layer, Linear):
             continue
         w, b = layer.weight, layer.bias
         N, K = w.shape
-        for tiles, split in launch_variants(N, K, w.dtype, max_rows, _gpu_name(device.index)):
-            launch = (N, K, w.dtype, b is not None, tiles, split)
-            if launch not in compiled:
-                compiled.add(launch)
-                matmul_kernel(torch.zeros(1, K, dtype=w.dtype, device=device), w, b, split=split, tiles=tiles)
+        x = torch.zeros(1, K, dtype=w.dtype, device=device)
+        if layer.batch_invariant:
+            for tiles, split in launch_variants(N, K, w.dtype, max_rows, _gpu_name(device.index)):
+                launch = (N, K, w.dtype, b is not None, tiles, split)
+                if launch not in compiled:
+                    compiled.add(launch)
+                    matmul_kernel(x, w, b, split=split, tiles=tiles)
+        elif layer.kernels:  # one compile per launch: M is an argument
+            for gated in (False, True):
+                if (decode := decode_launch(1, w, gated)) is not None:
+                    decode_matmul(x, w, b, decode, gated)
 
 
 def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -314,6 +325,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t:
     if M == 0:
         return out
     m_tiles, n_tiles = triton.cdiv(M, t.block_m), triton.cdiv(n_out, t.block_n)
+    assert not split or m_tiles * n_tiles <= COUNTERS, "a split launch needs an arrival counter per tile"
     partials = torch.empty(p.splits, M, N, dtype=torch.float32, device=x.device) if split else out
     counters = _counters(x.device) if x.is_cuda else torch.zeros(m_tiles * n_tiles, dtype=torch.int32)
     grid = (p.splits, n_tiles, m_tiles) if split else (n_tiles, m_tiles)
@@ -323,6 +335,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t:
         p.splits, p.chunk_k, CHUNKED=p.splits > 1, SPLIT_GRID=split, HAS_BIAS=bias is not None,
         EVEN_K=p.splits * p.chunk_k == K, GATED=gated,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        enable_fp_fusion=not gated,  # SiLU x up as weft.layers.fused's kernel computes it, unfused
     )
     return out
 
@@ -349,7 +362,7 @@ class DecodeLaunch:
     max_rows: int
 
     def record(self) -> dict:
-        """The launch's entry in TUNED's "decode" section."""
+        """The launch's entry in TUNED's "decode" or "gated" section."""
         return dict(asdict(self), tiles={k: v for k, v in asdict(self.tiles).items() if k != "block_m"})
 
     @staticmethod

@@ -140,8 +140,7 @@ class LlamaForCausalLM(nn.Module):
         """Whether the layers run weft's Triton kernels where they can (CUDA: weft/layers/fused.py's, and tuned
         launches for a decode's linear layers), or PyTorch's ops as HF's everywhere
         (EngineConfig.enable_fused_layers)."""
-        for module in self.modules():
-            # the experts have no PyTorch path fit to serve
+        for module in self.modules():  # (not the experts: they have no PyTorch path fit to serve)
             if isinstance(module, RMSNorm | SwiGLU | LlamaAttention | Linear):
                 module.kernels = on
 
