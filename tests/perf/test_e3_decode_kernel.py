@@ -3,7 +3,7 @@ gather + SDPA and against PyTorch's compiled flex_attention over a paged block m
 fraction of the measured copy bandwidth. Prefill: the Triton kernel over the paged cache
 against SDPA on the same tokens laid out contiguously.
 
-Decode timings are GPU time alone: do_bench_cudagraph replays the calls from a CUDA graph,
+Decode timings are GPU time alone: graph_seconds replays the calls from a CUDA graph,
 each call on its own copy of the cache so that none finds its K/V in L2. Beside them, the
 time as launched from Python one call at a time (do_bench, L2 flushed), which adds the host's
 launch overhead. Without a GPU a single tiny case per test runs under Triton's interpreter,
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.attention.paged import PagedBackend
 from weft.attention.triton import TritonBackend
-from weft.benchmark.environment import kernel_environment, launched_seconds
+from weft.benchmark.environment import graph_seconds, kernel_environment, launched_seconds
 from weft.config import ModelConfig
 
 HAS_CUDA = torch.cuda.is_available()  # without it, Triton runs in its interpreter (root conftest.py)
@@ -82,14 +82,6 @@ def interleaved_seconds(*fns: Callable[[], object]) -> list[float]:
         for i in range(len(fns))[:: 1 if r % 2 == 0 else -1]:
             times[i].append(launched_seconds(fns[i]))
     return [statistics.median(t) for t in times]
-
-
-def graph_seconds(fns: list[Callable[[], object]]) -> float:
-    """Median GPU seconds per call: `fns` (one per copy of the data) replayed from a CUDA graph."""
-    import triton.testing
-
-    ms = triton.testing.do_bench_cudagraph(lambda: [fn() for fn in fns], rep=20, return_mode="median")
-    return ms * 1e-3 / len(fns)
 
 
 @dataclass
@@ -283,7 +275,7 @@ def test_e3_decode(benchmark, device, B, S, P, attention):
         launched_time_s=launched,
         launched_gbps=nbytes / launched / 1e9,
         copies=len(fns),
-        timer="do_bench_cudagraph median" if HAS_CUDA else "host clock, one call",
+        timer="CUDA graph replays, median" if HAS_CUDA else "host clock, one call",
         rel_err_vs_paged=err,
         **env,
     )
