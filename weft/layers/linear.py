@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from weft.layers.fused import silu_times
+from weft.layers.fused import dependent_launch, follow, silu_times
 
 BLOCK_K = 128  # the one step along K: every tile shape sums a row's products in these steps, in order
 PLAN_BLOCK_N = 64  # the tile width `plan` counts programs in (whatever width a launch then uses)
@@ -173,7 +173,7 @@ def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, chunk_k, K, stride_xm, strid
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     splits, chunk_k, CHUNKED: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # Rows past M are masked (a decode's one row loads one row: clamped, the tile's rows each loaded it again, and
     # decodes ran slower, results/logs/h200_tune_gemm_58661a0.log); columns past the output's are clamped: they read
@@ -191,6 +191,7 @@ def _matmul_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, cols_in = rows < M, tl.minimum(cols, n_out - 1)
     out_ok = row_ok[:, None] & (cols < n_out)[None, :]
+    follow(PDL)
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SPLIT_GRID:
@@ -336,6 +337,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t:
         EVEN_K=p.splits * p.chunk_k == K, GATED=gated,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, num_warps=t.num_warps, num_stages=t.num_stages,
         enable_fp_fusion=not gated,  # SiLU x up as weft.layers.fused's kernel computes it, unfused
+        **dependent_launch(x.device),
     )
     return out
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from weft.attention.kernels.tiles import LOG2E, MIN_DOT, lanes, padded_head_dim, softmax_step, token_offsets
+from weft.layers.fused import dependent_launch, follow
 
 # 4, not 2: 2 warps are no faster in 16 bits (results/logs/h200_decode_splits.txt, sections 3 and 7b)
 # and much slower in float32, likely from register spills: a float32 K or V tile alone is 128
@@ -44,7 +45,9 @@ def _split_kernel(
     stride_xb, stride_xh, stride_xd,
     GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_TILE: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    follow(PDL)
     # Splits vary fastest in the grid, so that the programs dispatched last (which the memory serves
     # last) are all of the last few (request, KV head) pairs rather than one split of every pair: a
     # pair's merge then waits on fewer late programs (results/logs/h200_decode_splits.txt, section 8).
@@ -286,7 +289,7 @@ def compiled_kernel(device: torch.device, dtype: torch.dtype, H_q: int, H_kv: in
         kernel = _split_kernel.warmup(
             dtype, dtype, dtype, i32, i32, f32, f32, i32, dtype, 1.0, 1,
             H_q * D, D, 1, P * H_kv * D, H_kv * D, D, 1, 1, 16 * D_PAD, 16 * D_PAD, D_PAD, 1, 16, 16, 1, H_q * D, D, 1,
-            grid=(1,), **_constexprs(H_q, H_kv, D, P, tiles),
+            grid=(1,), **_constexprs(H_q, H_kv, D, P, tiles), **dependent_launch(device),
         )
         kernel._init_handles()  # loads the binary: its register count is known from here
     return kernel
@@ -336,6 +339,6 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, splits.o, splits.lse, splits.arrivals, out,
         scale * LOG2E, block_tables.shape[1] * P,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *splits.o.stride(), *splits.lse.stride(),
-        *out.stride(), **_constexprs(H_q, H_kv, D, P, splits.tiles, window or 0),
+        *out.stride(), **_constexprs(H_q, H_kv, D, P, splits.tiles, window or 0), **dependent_launch(q.device),
     )
     return out
