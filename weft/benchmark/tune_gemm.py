@@ -1,7 +1,7 @@
 """Tune the decode GEMMs of weft.layers.linear on this GPU: for each weight shape of the given models, time every
 candidate launch (TILES x splits) at 1 and DECODE_ROWS rows, keep the fastest, and beside cuBLAS at 1 .. DECODE_ROWS
-rows find the most rows it is faster at (by MARGIN). A shape where cuBLAS wins at one row gets no entry (its layer
-keeps cuBLAS). An MLP's gate_up is tuned gated: SiLU x up in the launch, against cuBLAS and the SiLU x up kernel.
+rows find the most rows it is at least as fast at (MARGIN). A shape where cuBLAS wins at one row gets no entry (its
+layer keeps cuBLAS). An MLP's gate_up is tuned gated: SiLU x up in the launch, against cuBLAS and the SiLU x up kernel.
 
     python -m weft.benchmark.tune_gemm [--models qwen3-0.6b ...] [--invariant] [--write]
 
@@ -49,9 +49,11 @@ TILES = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (64
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 MOST_PROGRAMS = 2048  # split grids past this many programs are not tried (and COUNTERS bounds the tiles)
 ROWS = (1, 2, 4, 8, DECODE_ROWS)  # the row counts compared with cuBLAS (a decode graph's batch sizes)
-# a tuned launch replaces cuBLAS where it takes at most this share of cuBLAS's time: not where they tie (one launch's
-# timings, repeated, differed by up to 5%: results/logs/h200_tune_gemm_f499d27.log)
-MARGIN = 0.97
+# a tuned launch replaces cuBLAS where it takes at most this share of cuBLAS's time, ties included: on a GPU with
+# programmatic dependent launch (weft.layers.fused.dependent_launch) it also lets the kernel after it start early,
+# which a cuBLAS launch does not, and a timing of one launch alone cannot show it (repeated timings of one launch
+# differ by up to 5%: results/logs/h200_tune_gemm_f499d27.log)
+MARGIN = 1.0
 VERIFY_ROUNDS = 21  # the comparison's replays (the search's: 5)
 # the batch-invariant kernel's candidates (block_m, block_n, num_warps, num_stages): rows in whole warpgroups of 64
 INVARIANT_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
