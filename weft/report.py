@@ -365,7 +365,7 @@ def decode_gemm_notes(df: pd.DataFrame) -> list[str]:
     """e17_kernel: what its times count."""
     return ["time: GPU time per call replayed from a CUDA graph over copies of the weight that together outgrow the"
             " L2; % of copy: the weight's bytes at the copy bandwidth over the time. launch: the tuned launch weft"
-            " runs (tiles, step along K, warps, stages, splits of K), or cublas where none beat cuBLAS by 3%."
+            " runs (tiles, step along K, warps, stages, splits of K), or cublas where the tuner kept it."
             " gate_up: with the MLP's SiLU x up after it, in weft's launch or by weft's SiLU x up kernel after"
             " cuBLAS."]
 
