@@ -224,6 +224,7 @@ def test_what_needs_the_model_is_checked_when_queued(tiny, field, value, param):
     (dict(min_p=1.5), "min_p"), (dict(min_tokens=5, max_tokens=4), "min_tokens"), (dict(stop=[""]), "stop"),
     (dict(stop=[3]), "stop"), (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(logit_bias=[1]), "logit_bias"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"), (dict(bad_words="x"), None),
+    (dict(detokenize=0), "detokenize"), (dict(stop=["x"], detokenize=False), "detokenize"),
 ])  # fmt: skip
 def test_bad_sampling_fields_are_refused_by_name(kwargs, param):
     if param is None:  # a single string is one bad word, as a single stop string is one
@@ -264,6 +265,20 @@ def test_stop_strings_cut_the_text_and_never_leak_into_the_stream(smol):
     while engine.has_unfinished_requests():
         pieces += [o.outputs[0].text for o in engine.step()]
     assert "".join(pieces) == free[:at]  # no piece of the stop string went out before it was decided
+
+
+@needs_smollm2
+def test_detokenize_false_gives_the_same_tokens_and_no_text(smol):
+    greedy = dict(max_tokens=12, temperature=0.0)
+    both = [smol.generate([PROMPT], SamplingParams(detokenize=d, **greedy), use_tqdm=False)[0].outputs[0]
+            for d in (True, False)]
+    assert both[0].token_ids == both[1].token_ids and both[0].text and both[1].text == ""
+    engine = smol.llm_engine
+    engine.add_request("d", PROMPT, SamplingParams(detokenize=False, output_kind=RequestOutputKind.DELTA, **greedy))
+    pieces = []
+    while engine.has_unfinished_requests():
+        pieces += [o.outputs[0] for o in engine.step()]
+    assert [t for c in pieces for t in c.token_ids] == both[0].token_ids and {c.text for c in pieces} == {""}
 
 
 @needs_smollm2

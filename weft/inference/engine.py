@@ -149,7 +149,9 @@ class LLMEngine:
                 max_len=max_len, metrics=RequestMetrics(now), prompt=parsed.text, index=index,
                 first=group[0] if group else None, bad_words_ids=bad_words,
             )  # fmt: skip
-            if self.tokenizer is not None and (child.output_kind is not RequestOutputKind.FINAL_ONLY or child.stop):
+            if self.tokenizer is not None and child.detokenize and (
+                child.output_kind is not RequestOutputKind.FINAL_ONLY or child.stop
+            ):
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
             if child.structured_outputs is not None:
                 seq.matcher = self.grammars.matcher(child.structured_outputs)
@@ -295,12 +297,13 @@ class LLMEngine:
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         is_delta = kind is RequestOutputKind.DELTA
-        opening = all(seq.num_returned_tokens == 0 for seq in group)  # a delta carries the prompt's logprobs once
+        prompt_logprobs = first.prompt_logprobs
+        if prompt_logprobs is not None:  # a delta carries them once, before any completion has returned a token
+            opening = not is_delta or all(seq.num_returned_tokens == 0 for seq in group)
+            prompt_logprobs = list(prompt_logprobs) if opening else None
         completions = [self._completion(seq, is_delta) for seq in (took if is_delta else group)]
-        prompt_logprobs = None if is_delta and not opening else first.prompt_logprobs
         return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, completions, finished,
-                             first.metrics, list(prompt_logprobs) if prompt_logprobs is not None else None,
-                             first.num_cached_tokens)
+                             first.metrics, prompt_logprobs, first.num_cached_tokens)
 
     def _completion(self, seq: Sequence, is_delta: bool) -> CompletionOutput:
         """One completion's output: all of it, or what it has not handed out yet (`is_delta`). A stop string may be
@@ -319,7 +322,7 @@ class LLMEngine:
             if is_delta:
                 seq.num_returned_chars = end
             text = text[start:end]
-        elif self.tokenizer is not None:  # FINAL_ONLY, finished: its text decoded as a stream's would be, at once
+        elif self.tokenizer is not None and p.detokenize:  # FINAL_ONLY, finished: decoded as a stream would be, at once
             text = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids).add(ids, final=True)
         else:
             text = ""

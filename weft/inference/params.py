@@ -52,6 +52,7 @@ class SamplingParams:
     stop: str | Sequence[str] | None = None  # strings that end the output (not included unless asked)
     stop_token_ids: Sequence[int] = ()
     include_stop_str_in_output: bool = False
+    detokenize: bool = True  # False: the outputs carry token ids and no text (stop strings need the text)
     logprobs: int | None = None  # each generated token's logprob and this many alternatives (0: its own only)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (its cached prefix is recomputed)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
@@ -93,7 +94,7 @@ class SamplingParams:
             set_(self, "seed", as_int("seed", self.seed))
             if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
                 raise ParamValueError(f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}", "seed")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ParamTypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__} "
                                      f"{getattr(self, name)!r}", name)
@@ -110,6 +111,8 @@ class SamplingParams:
             set_(self, "logit_bias", {as_int(f"logit_bias key {k!r}", _key(k), "logit_bias"):
                                       as_real("logit_bias", v) for k, v in self.logit_bias.items()})
         set_(self, "stop", _strings("stop", self.stop))
+        if self.stop and not self.detokenize:
+            raise ParamValueError("stop strings need detokenize=True: they are found in the text", "detokenize")
         set_(self, "bad_words", _strings("bad_words", self.bad_words))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -6,6 +6,9 @@ for /tokenize and /detokenize, and no more): every call into the engine
 event loop never waits on the GPU nor shares an interpreter lock with the engine's host work.
 Commands go down one pipe and each step's pieces come back up another, as the typed messages of
 weft.serve.messages; a reader thread hands each message to the loop in one `call_soon_threadsafe`.
+A stream's text is decoded here, from its pieces' token ids, unless it has stop strings (the engine finds
+those in its text): the engine process then spends none of a step's host time on it, as in vLLM, whose
+engine core sends token ids and whose API server's process detokenizes.
 Requests the engine refuses come back as their ValueError or TypeError (with the field at fault)
 before any work; if the engine process dies (a step raised, or it was killed), every request in
 flight gets EngineDead and the server reports itself unhealthy.
@@ -19,9 +22,11 @@ import logging
 import multiprocessing
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from weft.inference.chat import chat_prompt
 from weft.inference.config import EngineConfig
+from weft.inference.detokenizer import IncrementalDetokenizer
 from weft.inference.outputs import CompletionOutput, EngineSnapshot, EngineStats, RequestOutput
 from weft.inference.params import RequestOutputKind, SamplingParams
 from weft.models.loader import resolve_model
@@ -32,10 +37,11 @@ from weft.serve.messages import (
     Conversation,
     EngineFailed,
     EngineReady,
-    Piece,
     Refusal,
     Shutdown,
     StepMessage,
+    pack,
+    unpack,
 )
 
 logger = logging.getLogger(__name__)
@@ -80,6 +86,8 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(0, 0, 0, first.num_blocks, EngineStats())  # as of the engine's last message
         self.streams: dict[str, asyncio.Queue] = {}  # the event loop's alone
         self.prompts: dict[str, list[int]] = {}  # each unfinished request's prompt ids, from its first piece
+        # the streams whose text is decoded here: each completion's detokenizer, by its index
+        self.texts: dict[str, dict[int, IncrementalDetokenizer]] = {}
         self.sent = 0  # requests sent to the engine and not yet seen there (loop side)
         self.dead: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -120,6 +128,9 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = stream
         self.sent += 1
+        if self.tokenizer is not None and params.output_kind is RequestOutputKind.DELTA and not params.stop:
+            self.texts[request_id] = {}
+            params = replace(params, detokenize=False)
         self._send(AddRequest(request_id, prompt, params, label))
         finished, held = False, None
         try:
@@ -142,6 +153,7 @@ class AsyncEngine:
         finally:
             self.streams.pop(request_id, None)
             self.prompts.pop(request_id, None)
+            self.texts.pop(request_id, None)
             if not finished and self.running:
                 self._send(AbortRequest(request_id))
 
@@ -161,15 +173,26 @@ class AsyncEngine:
             if stream is not None:
                 stream.put_nowait(refusal.error())
         for piece in message.pieces:
-            stream = self.streams.get(piece.request_id)
+            stream = self.streams.get(piece[0])
             if stream is None:
                 continue
-            if piece.prompt_token_ids is not None:
-                self.prompts[piece.request_id] = piece.prompt_token_ids
-            stream.put_nowait(RequestOutput(piece.request_id, piece.prompt, self.prompts[piece.request_id],
-                                            piece.completions,
-                                            piece.finished, piece.metrics, piece.prompt_logprobs,
-                                            piece.num_cached_tokens))
+            out = unpack(piece, self.prompts)
+            if (detokenizers := self.texts.get(out.request_id)) is not None:
+                for completion in out.outputs:
+                    self._decode(completion, detokenizers, out.prompt_token_ids)
+            stream.put_nowait(out)
+
+    def _decode(self, completion: CompletionOutput, detokenizers: dict[int, IncrementalDetokenizer],
+                prompt_ids: list[int]) -> None:
+        """Fill in a delta's text as the engine would have decoded it: token by token, and what an incomplete last
+        character held back once the completion has finished."""
+        detok = detokenizers.get(completion.index)
+        if detok is None:
+            detok = detokenizers[completion.index] = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        text = "".join(detok.add([token], final=False) for token in completion.token_ids)
+        if completion.finish_reason is not None:
+            text += detok.add([], final=True)
+        completion.text = text
 
     def _die(self, reason: str) -> None:
         """On the loop: the engine is gone; every request still streaming gets EngineDead."""
@@ -259,7 +282,7 @@ def engine_main(config: EngineConfig, commands, outputs) -> None:
                     started.add(out.request_id)
                     if out.finished:
                         started.discard(out.request_id)
-                    pieces.append(_piece(out, first))
+                    pieces.append(pack(out, first))
             outputs.send(StepMessage(pieces, refusals, engine.snapshot(), admitted))
     except BaseException as e:  # noqa: BLE001 (a step raised: the engine's state is no longer trusted)
         logger.exception("the engine process is stopping: a step raised")
@@ -274,10 +297,3 @@ def _add(engine, command: AddRequest) -> None:
     if isinstance(prompt, Conversation):
         prompt = chat_prompt(engine.tokenizer, prompt.messages, engine.model_name)
     engine.add_request(command.request_id, prompt, command.params, label=command.label)
-
-
-def _piece(out: RequestOutput, first: bool) -> Piece:
-    return Piece(out.request_id, out.outputs, out.finished, out.prompt if first else None,
-                 out.prompt_token_ids if first else None,
-                 out.prompt_logprobs if first else None, out.num_cached_tokens if first else None,
-                 out.metrics if out.finished else None)

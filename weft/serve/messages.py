@@ -2,7 +2,8 @@
 
 Down (server -> engine process): `AddRequest`, `AbortRequest`, `Shutdown`. Up: `EngineReady` once the
 engine is built (or `EngineFailed` and nothing more), then after every round of commands and a step one
-`StepMessage` (each request's new `Piece`, the requests refused, the engine's snapshot), and `EngineFailed`
+`StepMessage` (each request's new `Piece`, packed as a tuple, the requests refused, the engine's snapshot), and
+`EngineFailed`
 if a step raised. A request's prompt ids travel once, with its first piece; its timings with its last.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from weft.errors import ParamError, ParamTypeError, ParamValueError
-from weft.inference.outputs import CompletionOutput, EngineSnapshot, Logprob, RequestMetrics
+from weft.inference.outputs import CompletionOutput, EngineSnapshot, Logprob, RequestMetrics, RequestOutput
 from weft.inference.params import SamplingParams
 
 
@@ -78,19 +79,32 @@ class Refusal:
         return (ParamTypeError if self.wrong_type else ParamValueError)(self.message, self.param)
 
 
-@dataclass(frozen=True)
-class Piece:
-    """What one request produced in one step (its output kind's share: a delta of the completions that took a
-    token, or all of them when final)."""
+# What one request produced in one step (its output kind's share: a delta of the completions that took a token, or
+# all of them when final), as a plain tuple: the pipe's pickle takes tuples of builtins several times faster than
+# dataclasses, and a step's message is made on the engine process's critical path (256 pieces on the CPU here: 57
+# against 362 us to pickle, 78 against 777 us to unpickle). `pack` makes one, `unpack` reads it back:
+#   (request_id, completions, finished, opening, metrics)
+# completions: each CompletionOutput's fields in order; opening: with the request's first piece only, its (prompt
+# text or None, prompt_token_ids, prompt_logprobs, num_cached_tokens); metrics: with its last piece only.
+Opening = tuple[str | None, list[int], list[dict[int, Logprob] | None] | None, int | None]
+Piece = tuple[str, list[tuple], bool, Opening | None, RequestMetrics | None]
 
-    request_id: str
-    completions: list[CompletionOutput]
-    finished: bool
-    prompt: str | None  # with its first piece: the prompt's text, when it was sent as text
-    prompt_token_ids: list[int] | None  # with the request's first piece only
-    prompt_logprobs: list[dict[int, Logprob] | None] | None  # with its first piece, if it asked for them
-    num_cached_tokens: int | None  # with its first piece: its prompt tokens found in the prefix cache
-    metrics: RequestMetrics | None  # with its last piece only
+
+def pack(out: RequestOutput, first: bool) -> Piece:
+    """`out` as its piece; `first`: the request's first, which carries its prompt."""
+    completions = [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in out.outputs]
+    opening = (out.prompt, out.prompt_token_ids, out.prompt_logprobs, out.num_cached_tokens) if first else None
+    return out.request_id, completions, out.finished, opening, out.metrics if out.finished else None
+
+
+def unpack(piece: Piece, prompts: dict[str, list[int]]) -> RequestOutput:
+    """The piece as a RequestOutput; `prompts`: each request's prompt ids, which its first piece adds."""
+    request_id, completions, finished, opening, metrics = piece
+    prompt, prompt_logprobs, cached = None, None, None
+    if opening is not None:
+        prompt, prompts[request_id], prompt_logprobs, cached = opening
+    return RequestOutput(request_id, prompt, prompts[request_id], [CompletionOutput(*c) for c in completions],
+                         finished, metrics, prompt_logprobs, cached)
 
 
 @dataclass(frozen=True)
