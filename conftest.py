@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-import torch
+# Off CUDA the Triton interpreter computes tl.dot with numpy's matmul, and the kernel tests check that a row's
+# bits do not depend on where in a tile it sits (as on a GPU's MMA units). OpenBLAS's Haswell and Zen sgemm
+# kernels break that (an element's bits change with its row or column in the tile: numpy 2.4's OpenBLAS 0.3.31 on
+# an AMD EPYC); its Sandybridge kernel sums each element's products in one order wherever it sits. Set before
+# numpy is first imported (torch imports it), so that the xdist workers and child processes inherit it too.
+if platform.machine() in ("x86_64", "AMD64"):
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
