@@ -3,8 +3,8 @@
 Down (server -> engine process): `AddRequest`, `AbortRequest`, `Shutdown`. Up: `EngineReady` once the
 engine is built (or `EngineFailed` and nothing more), then after every round of commands and a step one
 `StepMessage` (each request's new `Piece`, packed as a tuple, the requests refused, the engine's snapshot), and
-`EngineFailed`
-if a step raised. A request's prompt ids travel once, with its first piece; its timings with its last.
+`EngineFailed` if a step raised. A request's prompt ids travel once, with its first piece; its timings with its
+last.
 """
 
 from __future__ import annotations
