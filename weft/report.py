@@ -107,7 +107,7 @@ TABLES: dict[str, tuple[list[str], list[str]]] = {  # experiment -> (key columns
                                      *FLOOR]),
     "e15_itl": (["model", "config"], ["itl_p50_s", "weights_bytes", "weights_floor_s", "itl_floor_ratio",
                                       "ttft_p50_s"]),
-    "e15_kernel": (["model", "B", "top_k", "num_experts", "experts_touched"],
+    "e15_kernel": (["model", "B", "path", "top_k", "num_experts", "experts_touched"],
                    ["time_s", "with_grouping_s", "bytes", "gbps", "pct_of_copy"]),
     "e16": (["model", "workload_kind", "config"], ["output_tok_s", "itl_p50_s", "ttft_p50_s", "makespan_s", *FLOOR]),
     "e17_kernel": (["model", "layer", "N", "K", "M", "launch"],
@@ -340,9 +340,11 @@ def family_notes(df: pd.DataFrame) -> list[str]:
 
 def kernel_notes(df: pd.DataFrame) -> list[str]:
     """e15_kernel: what its times and bytes count."""
-    return ["time: the gate_up and down kernels over (token, expert) pairs already grouped by expert; with grouping:"
-            " the layer's whole expert pass (`fused_experts`). Bytes moved: each expert the tokens touch (its gate_up"
-            " and down), the tokens in and each pair's output out; % of copy: their rate over the copy bandwidth."]
+    return ["time: the gate_up and down kernels, path `pairs` a program per (token, expert) pair (few pairs: the"
+            " layer's whole expert pass), path `grouped` over pairs already grouped by expert; with grouping: the"
+            " layer's whole expert pass (`fused_experts`). Bytes moved: each expert the tokens touch (its gate_up and"
+            " down), the tokens in and the outputs out (`pairs`: each token's, summed; `grouped`: each pair's); % of"
+            " copy: their rate over the copy bandwidth."]
 
 
 def determinism_notes(df: pd.DataFrame) -> list[str]:

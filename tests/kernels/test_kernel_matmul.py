@@ -216,17 +216,17 @@ def test_the_tuned_table_names_real_layers_and_reads_back_what_the_tuner_writes(
     from weft.models.llama import LlamaForCausalLM
     from weft.models.loader import resolve_model
 
-    cfg = resolve_model("tiny-qwen3").config
-    model = LlamaForCausalLM(cfg)
-    built = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)}
-    assert set(layer_shapes(cfg).values()) == built
+    for name in ("tiny-qwen3", "tiny-qwen3-moe"):  # the MoE's router is a Linear, its experts are not
+        cfg = resolve_model(name).config
+        built = {tuple(m.weight.shape) for m in LlamaForCausalLM(cfg).modules() if isinstance(m, Linear)}
+        assert set(layer_shapes(cfg).values()) == built
     launch = DECODE_LAUNCHES[1]
     assert DecodeLaunch.from_record(launch.record()) == launch
     nothing = tuned("no such GPU", torch.bfloat16)
     assert nothing.decode == nothing.gated == nothing.invariant == {}
     assert decode_launch(1, torch.zeros(4096, 1024)) is None  # on the CPU
     assert launch_for(256, 1024, 2048, torch.bfloat16, "no such GPU") == launch_for(256, 1024, 2048)
-    shapes = {s for name in ("qwen3-0.6b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b")
+    shapes = {s for name in ("qwen3-0.6b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "qwen3-30b-a3b")
               for s in layer_shapes(resolve_model(name).config).values()}
     for gpu, dtypes in json.loads(TUNED.read_text()).items():
         for dtype in dtypes:

@@ -1,5 +1,6 @@
 """The fused MoE kernels (weft/layers/moe.py) against a float64 reference written from the definition, the pairs'
-grouping by expert, and weft's SparseMoE against HF's Qwen3MoeSparseMoeBlock."""
+grouping by expert, the routing kernel against PyTorch's softmax and top-k, and weft's SparseMoE against HF's
+Qwen3MoeSparseMoeBlock."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import torch.nn.functional as F
 
 from weft.config import MoEConfig
 from weft.layers import fused
-from weft.layers.moe import SparseMoE, experts_reference, fused_experts, group_pairs
+from weft.layers.moe import (
+    PAIR_ROWS,
+    SparseMoE,
+    experts_reference,
+    fused_experts,
+    group_pairs,
+    pair_experts,
+    route_kernel,
+)
 
 pytestmark = pytest.mark.kernels
 
@@ -58,6 +67,34 @@ def test_fused_experts_match_the_definition(device, dtype, T, N, k, E, I_e):
     assert close(experts_reference(*args), want, dtype)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
+# E and I_e off the pair kernels' column blocks and K steps; one pair and as many as they take
+@pytest.mark.parametrize(("T", "N", "k", "E", "I_e"), [(1, 4, 1, 300, 40), (1, 128, 8, 64, 24), (2, 8, 8, 48, 264)])
+def test_pair_experts_sum_each_tokens_pairs(device, dtype, T, N, k, E, I_e):
+    assert T * k <= PAIR_ROWS
+    args = routed(T, N, k, E, I_e, dtype, device, seed=T + k)
+    want = definition(*args).view(T, k, E).sum(1)
+    got = pair_experts(*args)
+    assert got.dtype == dtype and got.shape == (T, E)
+    assert close(got, want, dtype)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize(("T", "N", "k"), [(1, 128, 8), (5, 60, 3), (3, 8, 1)])
+def test_route_kernel_is_softmax_top_k(device, norm, T, N, k):
+    g = torch.Generator().manual_seed(N)
+    logits = torch.randn(T, N, generator=g).to(device)
+    logits[0, 1] = logits[0, 2] = logits[0].max() + 1  # equal logits: the lower id first
+    weights, ids = route_kernel(logits, k, norm)
+    probs = F.softmax(logits.double(), dim=-1)
+    want_weights, want_ids = probs.topk(k, dim=-1)
+    if norm:
+        want_weights = want_weights / want_weights.sum(dim=-1, keepdim=True)
+    assert ids[0, :2].tolist() == [1, 2][:k]  # torch.topk may order the tie either way
+    assert ids[0, 2:].tolist() == want_ids[0, 2:].tolist() and ids[1:].tolist() == want_ids[1:].tolist()
+    assert torch.allclose(weights.double(), want_weights, rtol=1e-6, atol=0)
+
+
 # pairs within one of the grouping kernel's tiles and across many; experts fewer than a power of two, and 128
 @pytest.mark.parametrize(("T", "N", "k", "M"), [(37, 8, 3, 16), (300, 128, 8, 16), (70, 60, 4, 64)])
 def test_pairs_are_grouped_by_expert_in_padded_blocks(device, T, N, k, M):
@@ -81,7 +118,8 @@ def test_pairs_are_grouped_by_expert_in_padded_blocks(device, T, N, k, M):
     assert (block_expert[:-1] <= block_expert[1:]).all()
 
 
-def test_sparse_moe_is_hfs_block(monkeypatch, device):
+@pytest.mark.parametrize("tokens", [1, 11])  # few pairs (`pair_experts`) and pairs grouped by expert
+def test_sparse_moe_is_hfs_block(monkeypatch, device, tokens):
     """Routing (softmax, top-k, renormalised) and the experts, in PyTorch ops (on the CPU) and through the kernels
     (on the CPU in the interpreter), against HF's block with the same weights, in float32."""
     from transformers import AutoConfig
@@ -96,10 +134,10 @@ def test_sparse_moe_is_hfs_block(monkeypatch, device):
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     ours = SparseMoE(48, MoEConfig(8, 3, 24, True, (0,)))
     ours.load_state_dict(hf.state_dict())  # the same names: gate.weight, experts.gate_up_proj, experts.down_proj
-    x = torch.randn(2, 11, 48, generator=g).to(device)
+    x = torch.randn(2, tokens, 48, generator=g).to(device)
     hf, ours = hf.to(device), ours.to(device)
-    want = hf(x).view(22, 48)
-    assert torch.allclose(ours(x.view(22, 48)), want, rtol=1e-5, atol=1e-6)
+    want = hf(x).view(2 * tokens, 48)
+    assert torch.allclose(ours(x.view(2 * tokens, 48)), want, rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(fused, "on_kernels", lambda t: True)
     # the kernels sum in another order than HF's matmuls: float32's rounding, up to a few 1e-6 on outputs of ~5
-    assert torch.allclose(ours(x.view(22, 48)), want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(ours(x.view(2 * tokens, 48)), want, rtol=1e-5, atol=1e-5)

@@ -91,7 +91,7 @@ class Sizes:
     e15_moe_model: str  # e15's mixture of experts: its batch sweep (e2's workload), batch-1 ITL and kernels
     e15_batches: tuple[int, ...]
     e15_dense_models: tuple[str, ...]  # the families whose batch-1 ITL (e12's request) is compared
-    e15_kernel_tokens: int  # tokens routed through one MoE layer's expert kernels
+    e15_kernel_tokens: tuple[int, ...]  # tokens routed through one MoE layer's expert kernels, each count a case
     e17_models: tuple[str, ...]  # the dense shapes whose decode GEMMs and batch-1 ITL e17 measures
 
 
@@ -150,7 +150,7 @@ CUDA_SIZES = Sizes(
     e15_moe_model="qwen3-30b-a3b",
     e15_batches=(1, 16, 64, 256),
     e15_dense_models=("llama-3.1-8b", "qwen3-8b"),
-    e15_kernel_tokens=256,
+    e15_kernel_tokens=(1, 256),
     e17_models=("qwen3-0.6b", "qwen3-4b", "qwen3-8b"),
 )
 CPU_SIZES = Sizes(
@@ -204,7 +204,7 @@ CPU_SIZES = Sizes(
     e15_moe_model="tiny-qwen3-moe",
     e15_batches=(1, 4, 16),  # e2's
     e15_dense_models=("tiny-llama3", "tiny-qwen3"),
-    e15_kernel_tokens=8,
+    e15_kernel_tokens=(1, 16),
     e17_models=("tiny-qwen3",),
 )
 SIZES = CUDA_SIZES if HAS_CUDA else CPU_SIZES
@@ -316,6 +316,11 @@ def e9_rate(request: pytest.FixtureRequest) -> float:
 
 @pytest.fixture(params=SIZES.e15_batches, ids=lambda b: f"B{b}")
 def e15_batch(request: pytest.FixtureRequest) -> int:
+    return request.param
+
+
+@pytest.fixture(params=SIZES.e15_kernel_tokens, ids=lambda t: f"T{t}")
+def e15_kernel_tokens(request: pytest.FixtureRequest) -> int:
     return request.param
 
 

@@ -6,8 +6,10 @@
 - batch1_itl: the MoE and the dense families (Llama-3.1-8B, Qwen3-8B shapes) on e12's batch-1 request, weft only,
   each with its weights floor per step: the bytes a decode step reads (of the MoE, the experts its token is routed
   to), at the copy bandwidth measured in the same run.
-- moe_kernels: one MoE layer's expert kernels (gate_up, then down) over e15_kernel_tokens random tokens routed by the
-  layer's router, against the bytes they must move, as a fraction of the copy bandwidth. Without a GPU they run once
+- moe_kernels: one MoE layer's expert kernels (gate_up, then down) over each of e15_kernel_tokens' counts of random
+  tokens routed by the layer's router, against the bytes they must move, as a fraction of the copy bandwidth: at
+  batch 1 the pair kernels (a program per (token, expert) pair), at 256 tokens the kernels over pairs grouped by
+  expert. Without a GPU they run once
   at toy sizes in Triton's interpreter, timed by the host clock, only so that the code cannot rot.
 
 The models are large (the MoE is 61 GB in bf16, and weft copies it into its own): each test takes its model `alone`,
@@ -25,7 +27,15 @@ from weft.benchmark.environment import kernel_environment, launched_seconds
 from weft.benchmark.floor import step_weights
 from weft.benchmark.runner import BenchConfig
 from weft.inference.config import DTYPES
-from weft.layers.moe import SparseMoE, expert_kernels, experts_reference, fused_experts, kernel_groups
+from weft.layers.moe import (
+    PAIR_ROWS,
+    SparseMoE,
+    expert_kernels,
+    experts_reference,
+    fused_experts,
+    kernel_groups,
+    pair_experts,
+)
 from weft.models.loader import resolve_model
 
 pytestmark = pytest.mark.perf
@@ -58,10 +68,11 @@ def test_e15_batch1_itl(run_benchmark, sizes, model_for, device, e15_itl_model):
                   **step_weights(hf, 1, device))
 
 
-def test_e15_moe_kernels(benchmark, sizes, device):
-    """The gate_up and down kernels of one layer of e15_moe_model over T routed tokens (grouped by expert
-    beforehand); beside them, the layer's whole expert pass with the grouping (`fused_experts`)."""
-    cfg, dtype, T = resolve_model(sizes.e15_moe_model).config, DTYPES[sizes.dtype], sizes.e15_kernel_tokens
+def test_e15_moe_kernels(benchmark, sizes, device, e15_kernel_tokens):
+    """The gate_up and down kernels of one layer of e15_moe_model over T routed tokens as SparseMoE runs them: few
+    pairs by `pair_experts` (which sums each token's pairs), more grouped by expert beforehand; beside them, the
+    layer's whole expert pass with the grouping (`fused_experts`), where there is one."""
+    cfg, dtype, T = resolve_model(sizes.e15_moe_model).config, DTYPES[sizes.dtype], e15_kernel_tokens
     g = torch.Generator(device).manual_seed(0)
     with torch.device(device):
         layer = SparseMoE(cfg.E, cfg.moe).to(dtype).requires_grad_(False)
@@ -69,19 +80,25 @@ def test_e15_moe_kernels(benchmark, sizes, device):
             nn.init.normal_(p, std=p.shape[-1] ** -0.5, generator=g)  # each output of unit scale
         x = torch.randn(T, cfg.E, generator=g, dtype=dtype)
     weights, ids = layer.route(x)
-    gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
-    kernels = functools.partial(expert_kernels, x, gate_up, down, weights, *kernel_groups(ids, cfg.moe.num_experts))
-    out = kernels()  # [T * top_k, E]
+    gate_up, down, k = layer.experts.gate_up_proj, layer.experts.down_proj, cfg.moe.top_k
+    pairs = T * k <= PAIR_ROWS
+    if pairs:
+        kernels = with_grouping = functools.partial(pair_experts, x, gate_up, down, weights, ids)
+    else:
+        kernels = functools.partial(expert_kernels, x, gate_up, down, weights, *kernel_groups(ids, cfg.moe.num_experts))
+        with_grouping = functools.partial(fused_experts, x, gate_up, down, weights, ids)
+    out = kernels()  # [T, E] summed over each token's pairs, or [T * top_k, E] each pair's
     n = min(T, CHECKED_TOKENS)
-    ref = experts_reference(x[:n], gate_up, down, weights[:n], ids[:n])
-    err = ((out[: n * cfg.moe.top_k].double() - ref.double()).norm() / ref.double().norm()).item()
+    ref = experts_reference(x[:n], gate_up, down, weights[:n], ids[:n]).view(n, k, -1).sum(1)
+    got = out[:n] if pairs else out[: n * k].view(n, k, -1).sum(1)
+    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < 2e-2, f"the expert kernels disagree with the PyTorch reference: relative error {err:.3g}"
 
     seconds = launched_seconds(kernels)
-    with_grouping = launched_seconds(functools.partial(fused_experts, x, gate_up, down, weights, ids))
+    with_grouping = seconds if pairs else launched_seconds(with_grouping)
     touched = ids.unique().numel()
-    # what must move: each touched expert's gate_up and down, the tokens in, each pair's output out (the
-    # intermediate [T * top_k, I_e] written by one kernel and read by the other is the design's, not counted)
+    # what must move: each touched expert's gate_up and down, the tokens in, the outputs out (each token's or each
+    # pair's; the intermediate [T * top_k, I_e] written by one kernel and read by the other is the design's)
     nbytes = (touched * (gate_up[0].numel() + down[0].numel()) + x.numel() + out.numel()) * dtype.itemsize
     gbps = nbytes / seconds / 1e9
     env = kernel_environment(device)
@@ -89,6 +106,7 @@ def test_e15_moe_kernels(benchmark, sizes, device):
         experiment="e15_kernel",
         model=sizes.e15_moe_model,
         B=T,
+        path="pairs" if pairs else "grouped",
         E=cfg.E,
         I_e=cfg.moe.intermediate,
         num_experts=cfg.moe.num_experts,

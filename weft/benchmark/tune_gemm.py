@@ -64,9 +64,14 @@ ROTATION_BYTES = 256 << 20  # weight bytes cycled through per timing: several ti
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """name -> (N, K) of each linear layer's weight in one rank's whole model."""
-    return dict(qkv=((cfg.H_q + 2 * cfg.H_kv) * cfg.D, cfg.E), o=(cfg.E, cfg.H_q * cfg.D),
-                gate_up=(2 * cfg.intermediate, cfg.E), down=(cfg.E, cfg.intermediate), lm_head=(cfg.V, cfg.E))
+    """name -> (N, K) of each linear layer's weight in one rank's whole model (a mixture of experts' router, and
+    the dense MLP's only where some layer has one)."""
+    shapes = dict(qkv=((cfg.H_q + 2 * cfg.H_kv) * cfg.D, cfg.E), o=(cfg.E, cfg.H_q * cfg.D))
+    if cfg.moe is None or len(cfg.moe.layers) < cfg.L:
+        shapes.update(gate_up=(2 * cfg.intermediate, cfg.E), down=(cfg.E, cfg.intermediate))
+    if cfg.moe is not None:
+        shapes.update(router=(cfg.moe.num_experts, cfg.E))
+    return dict(shapes, lm_head=(cfg.V, cfg.E))
 
 
 class Shape:

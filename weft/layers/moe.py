@@ -1,12 +1,16 @@
 """Qwen3-MoE's sparse MLP: a router picks each token's top_k experts, each a SwiGLU, and sums their outputs weighted
 by the router's probabilities, as HF's Qwen3MoeSparseMoeBlock does.
 
-On CUDA the experts run as two Triton kernels over all of a layer's (token, expert) pairs at once, with or
-without the other fused layer kernels (EngineConfig.enable_fused_layers): the pairs are grouped by expert on the
-device (no host sync, so CUDA graphs can hold it), each block of BLOCK_M pairs of one expert multiplies its tokens
-by that expert's weights, the first kernel gate and up together with SiLU(gate) x up in its epilogue, the second
-down with the router weight in its epilogue. Elsewhere (and as their reference) the same arithmetic runs in PyTorch
-ops on each pair's gathered expert weights: memory T * top_k * 3 * I_e * E, for tests and tiny models on the CPU.
+On CUDA the router's softmax, top-k and renormalising are one Triton kernel, and the experts run as two Triton
+kernels over all of a layer's (token, expert) pairs at once, with or without the other fused layer kernels
+(EngineConfig.enable_fused_layers), the first gate and up together with SiLU(gate) x up in its epilogue, the second
+down with the router weight in its epilogue. Many pairs (a prefill, a large batch) are grouped by expert on the
+device (no host sync, so CUDA graphs can hold it), each block of BLOCK_M pairs of one expert multiplying its tokens
+by that expert's weights: an expert's weights are read once per block. Few pairs (a small batch's decode: at most
+PAIR_ROWS) run a program per pair and slice of columns, reading its expert's weights directly, and down's programs
+sum each token's pairs: no grouping pass and no sum after, which at batch 1 cost more than the experts' GEMMs
+(results/HISTORY.md). Elsewhere (and as their reference) the same arithmetic runs in PyTorch ops on each pair's
+gathered expert weights: memory T * top_k * 3 * I_e * E, for tests and tiny models on the CPU.
 
 Rounding follows HF's: each projection is rounded to the activations' dtype, SiLU(gate) before the multiply by up,
 the router weight multiplied after down, a token's pairs summed in top-k order (as HF's default grouped_mm
@@ -23,7 +27,8 @@ from torch import nn
 
 from weft.config import MoEConfig
 from weft.layers import fused
-from weft.layers.fused import silu_times
+from weft.layers.fused import dependent_launch, follow, silu_times
+from weft.layers.linear import Linear
 
 
 class Experts(nn.Module):
@@ -40,12 +45,15 @@ class SparseMoE(nn.Module):
     def __init__(self, E: int, moe: MoEConfig) -> None:
         super().__init__()
         self.moe = moe
-        self.gate = nn.Linear(E, moe.num_experts, bias=False)  # the router
+        self.gate = Linear(E, moe.num_experts, bias=False)  # the router
         self.experts = Experts(E, moe)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, E] -> (weights [T, top_k] in x's dtype, expert ids [T, top_k] int64)."""
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, N]
+        logits = self.gate(x)  # [T, N]
+        if fused.on_kernels(x):
+            return route_kernel(logits, self.moe.top_k, self.moe.norm_topk_prob)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -55,9 +63,51 @@ class SparseMoE(nn.Module):
         """x [T, E] -> [T, E]"""
         weights, ids = self.route(x)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        run = fused_experts if fused.on_kernels(x) else experts_reference
         T, k = ids.shape
+        if fused.on_kernels(x) and T * k <= PAIR_ROWS:
+            return pair_experts(x, gate_up, down, weights, ids)
+        run = fused_experts if fused.on_kernels(x) else experts_reference
         return run(x, gate_up, down, weights, ids).view(T, k, -1).sum(dim=1)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, N, stride_t, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
+                  BLOCK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    """One token a program: its top_k experts by logit (the softmax's order; equal logits by the lower id), their
+    softmax probabilities in float32 (renormalised over the top_k: NORM), rounded to the weights' dtype."""
+    follow(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    col = tl.arange(0, BLOCK)
+    z = tl.load(logits_ptr + t * stride_t + col, mask=col < N, other=float("-inf")).to(tl.float32)
+    top = tl.max(z, 0)
+    total = tl.sum(tl.exp(z - top), 0)
+    slot = tl.arange(0, TOP_K_P2)
+    picked = tl.zeros([TOP_K_P2], tl.float32)
+    ids = tl.zeros([TOP_K_P2], tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(z, 0)
+        at = tl.min(tl.where(z == best, col, BLOCK), 0)
+        picked = tl.where(slot == j, tl.math.div_rn(tl.exp(best - top), total), picked)
+        ids = tl.where(slot == j, at, ids)
+        z = tl.where(col == at, float("-inf"), z)
+    if NORM:
+        picked = tl.math.div_rn(picked, tl.sum(picked, 0))
+    mine = slot < TOP_K
+    tl.store(weights_ptr + t * TOP_K + slot, picked.to(weights_ptr.dtype.element_ty), mask=mine)
+    tl.store(ids_ptr + t * TOP_K + slot, ids, mask=mine)
+
+
+def route_kernel(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`SparseMoE.route` after the router's matmul, in one launch: logits [T, N] -> (weights [T, top_k] in logits'
+    dtype, ids [T, top_k] int64)."""
+    T, N = logits.shape
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T:
+        _route_kernel[(T,)](logits, weights, ids, N, logits.stride(0), TOP_K=top_k,
+                            TOP_K_P2=triton.next_power_of_2(top_k), BLOCK=triton.next_power_of_2(N), NORM=norm,
+                            **dependent_launch(logits.device))
+    return weights, ids
 
 
 def experts_reference(
@@ -216,4 +266,82 @@ def expert_kernels(
     grid = (block_expert.numel(), triton.cdiv(E, 64))
     _down_kernel[grid](h, down, weights.reshape(-1).contiguous(), pairs, block_expert, y, P, N, E, I_e,
                        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, PRECISION=precision, enable_fp_fusion=False)
+    return y
+
+
+PAIR_ROWS = 16  # the most (token, expert) pairs `pair_experts` runs; more are grouped by expert first
+PAIR_BLOCK_N = 16  # columns a pair kernel's program computes
+PAIR_BLOCK_K = 256  # the step along K of a pair kernel's program
+PAIR_WARPS = 4
+
+
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, TOP_K, E, I_e, stride_xt,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program (pair, column block): SiLU(gate) x up of the pair's token by its expert, for BLOCK_N columns of I_e."""
+    pair, col_block = tl.program_id(0), tl.program_id(1)
+    follow(PDL)
+    token = pair // TOP_K
+    expert = tl.load(ids_ptr + pair)
+    col = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = col < I_e
+    w = w_ptr + expert * 2 * I_e * E
+    gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, E, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < E
+        a = tl.load(x_ptr + token * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        at = w + col[:, None] * E + k[None, :]
+        mask = col_ok[:, None] & k_ok[None, :]
+        gate += tl.load(at, mask=mask, other=0.0).to(tl.float32) * a
+        up += tl.load(at + I_e * E, mask=mask, other=0.0).to(tl.float32) * a
+    dtype = h_ptr.dtype.element_ty
+    h = silu_times(tl.sum(gate, 1).to(dtype), tl.sum(up, 1).to(dtype), dtype)  # each projection rounded first
+    tl.store(h_ptr + pair * I_e + col, h, mask=col_ok)
+
+
+@triton.jit
+def _pair_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, y_ptr, E, I_e, TOP_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program (token, column block): the token's pairs' down projections, each rounded and weighted, summed in top-k
+    order, for BLOCK_N columns of E."""
+    token, col_block = tl.program_id(0), tl.program_id(1)
+    follow(PDL)
+    col = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = col < E
+    dtype = y_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(TOP_K):
+        pair = token * TOP_K + j
+        w = w_ptr + tl.load(ids_ptr + pair) * E * I_e
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, I_e, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < I_e
+            a = tl.load(h_ptr + pair * I_e + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            b = tl.load(w + col[:, None] * I_e + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += b.to(tl.float32) * a
+        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        total += (tl.sum(acc, 1).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    tl.store(y_ptr + token * E + col, total.to(dtype), mask=col_ok)
+
+
+def pair_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The experts' weighted outputs summed over each token's pairs, a program per pair (few pairs: PAIR_ROWS):
+    x [T, E], gate_up [N, 2 I_e, E], down [N, E, I_e] (contiguous), weights and ids [T, top_k] -> [T, E]."""
+    (T, E), (_, _, I_e), k = x.shape, down.shape, ids.shape[1]
+    assert x.stride(1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
+    ids, weights = ids.contiguous(), weights.contiguous()
+    h = torch.empty(T * k, I_e, dtype=x.dtype, device=x.device)
+    pdl = dependent_launch(x.device)
+    _pair_gate_up_kernel[(T * k, triton.cdiv(I_e, PAIR_BLOCK_N))](
+        x, gate_up, ids, h, k, E, I_e, x.stride(0), BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K,
+        num_warps=PAIR_WARPS, enable_fp_fusion=False, **pdl)
+    y = torch.empty(T, E, dtype=x.dtype, device=x.device)
+    _pair_down_kernel[(T, triton.cdiv(E, PAIR_BLOCK_N))](
+        h, down, ids, weights, y, E, I_e, TOP_K=k, BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K,
+        num_warps=PAIR_WARPS, enable_fp_fusion=False, **pdl)
     return y
