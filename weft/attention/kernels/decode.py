@@ -93,8 +93,11 @@ def _split_kernel(
         offs = token_offsets(table, start + step, table_tokens, stride_kn, stride_kp, P, BLOCK_N)
         m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, ok[None, :])
 
-    # An empty split (past a short request's end) has acc = 0, row_sum = 0, m = -inf: it stores
-    # output 0 and log-sum-exp -inf, which the merge weighs 0.
+    # Splits from `used` on hold no tile (a short request's, where the grid was planned for the longest context): they
+    # store nothing, and the merge reads only the others. Its sums are the same bits as over all splits: an empty
+    # split's output would be 0 and its log-sum-exp -inf, weighed 0, and the merge's tiles of splits start at 0 either
+    # way.
+    used = tl.minimum(num_splits, tl.cdiv(context_len, BLOCK_N) - lo // BLOCK_N)
     row_sum = tl.where(row_sum > 0, row_sum, 1.0)
     if num_splits == 1:
         # The whole context in one program: its output is final, with no counter or scratch round
@@ -104,10 +107,11 @@ def _split_kernel(
         tl.store(out, (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=lanes(row_ok, D, D_PAD))
     else:
         # The scratch holds all D_PAD lanes (the padding ones 0): its loads and stores need no lane mask.
-        o_rows = o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
-        tl.store(o_rows + d[None, :] * stride_od, acc / row_sum[:, None], mask=row_ok[:, None])
-        lse_rows = lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls
-        tl.store(lse_rows, m + tl.log2(row_sum), mask=row_ok)
+        if split < used:
+            o_rows = o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
+            tl.store(o_rows + d[None, :] * stride_od, acc / row_sum[:, None], mask=row_ok[:, None])
+            lse_rows = lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls
+            tl.store(lse_rows, m + tl.log2(row_sum), mask=row_ok)
 
         # Every thread's stores are issued before the arrival counts (bar.sync), and the counter's
         # acquire-release makes the last arrival see all of them.
@@ -115,7 +119,7 @@ def _split_kernel(
         arrivals = arrivals_ptr + b * tl.num_programs(1) + h_kv
         if tl.atomic_add(arrivals, 1, sem="acq_rel") == num_splits - 1:
             _merge(
-                o_ptr + b * stride_ob, lse_ptr + b * stride_lb, out_ptr + b * stride_xb, h_kv * GROUP, num_splits,
+                o_ptr + b * stride_ob, lse_ptr + b * stride_lb, out_ptr + b * stride_xb, h_kv * GROUP, used,
                 stride_oh, stride_os, stride_od, stride_lh, stride_ls, stride_xh, stride_xd,
                 GROUP, GROUP_P2, MERGE_TILE, D, D_PAD,
             )
@@ -128,8 +132,8 @@ def _merge(
     stride_oh, stride_os, stride_od, stride_lh, stride_ls, stride_xh, stride_xd,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_TILE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    """out[h] = the splits' outputs o [h, s, :] weighed by exp2(lse[h, s]), for one request's
-    GROUP heads from first_head; MERGE_TILE splits at a time, rescaled online."""
+    """out[h] = the splits' outputs o [h, s, :] weighed by exp2(lse[h, s]), s < num_splits (those that hold
+    tiles), for one request's GROUP heads from first_head; MERGE_TILE splits at a time, rescaled online."""
     g = tl.arange(0, GROUP_P2)
     heads = first_head + g
     d = tl.arange(0, D_PAD)
