@@ -273,57 +273,85 @@ PAIR_ROWS = 16  # the most (token, expert) pairs `pair_experts` runs; more are g
 PAIR_BLOCK_N = 16  # columns a pair kernel's program computes
 PAIR_BLOCK_K = 256  # the step along K of a pair kernel's program
 PAIR_WARPS = 4
+PAIR_STAGES = 3
+PAIR_DOT = False
+DOT_ROWS = 16  # tl.dot's least rows: a pair's one row padded with rows that read 0
+
+
+@triton.jit
+def _row_times(x_ptr, w_ptr, cols, col_ok, k, k_ok, stride_w, acc, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + the row x[k] times w[cols, k]: DOT, acc [DOT_ROWS, BLOCK_N] by tl.dot, the row in row 0; else acc
+    [BLOCK_N, BLOCK_K] products, summed along K later."""
+    w = tl.load(w_ptr + cols[:, None] * stride_w + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    if DOT:
+        rows = tl.arange(0, 16)
+        a = tl.load(x_ptr + rows[:, None] * 0 + k[None, :], mask=(rows == 0)[:, None] & k_ok[None, :], other=0.0)
+        return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    return acc + w.to(tl.float32) * tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _row_sum(acc, DOT: tl.constexpr):
+    """_row_times' float32 sums [BLOCK_N]."""
+    if DOT:
+        return tl.sum(acc, 0)  # rows past 0 are 0
+    return tl.sum(acc, 1)
 
 
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, TOP_K, E, I_e, stride_xt,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (pair, column block): SiLU(gate) x up of the pair's token by its expert, for BLOCK_N columns of I_e."""
     pair, col_block = tl.program_id(0), tl.program_id(1)
     follow(PDL)
-    token = pair // TOP_K
-    expert = tl.load(ids_ptr + pair)
+    x = x_ptr + pair // TOP_K * stride_xt
+    w = w_ptr + tl.load(ids_ptr + pair) * 2 * I_e * E
     col = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = col < I_e
-    w = w_ptr + expert * 2 * I_e * E
-    gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if DOT:
+        gate = tl.zeros([16, BLOCK_N], tl.float32)
+        up = tl.zeros([16, BLOCK_N], tl.float32)
+    else:
+        gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, E, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < E
-        a = tl.load(x_ptr + token * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        at = w + col[:, None] * E + k[None, :]
-        mask = col_ok[:, None] & k_ok[None, :]
-        gate += tl.load(at, mask=mask, other=0.0).to(tl.float32) * a
-        up += tl.load(at + I_e * E, mask=mask, other=0.0).to(tl.float32) * a
+        gate = _row_times(x, w, col, col_ok, k, k_ok, E, gate, DOT, PRECISION)
+        up = _row_times(x, w + I_e * E, col, col_ok, k, k_ok, E, up, DOT, PRECISION)
     dtype = h_ptr.dtype.element_ty
-    h = silu_times(tl.sum(gate, 1).to(dtype), tl.sum(up, 1).to(dtype), dtype)  # each projection rounded first
+    h = silu_times(_row_sum(gate, DOT).to(dtype), _row_sum(up, DOT).to(dtype), dtype)  # each projection rounded
     tl.store(h_ptr + pair * I_e + col, h, mask=col_ok)
 
 
 @triton.jit
 def _pair_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, y_ptr, E, I_e, TOP_K: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                      PDL: tl.constexpr):
     """Program (token, column block): the token's pairs' down projections, each rounded and weighted, summed in top-k
-    order, for BLOCK_N columns of E."""
+    order, for BLOCK_N columns of E. One loop over every pair's steps along I_e (so loads run ahead across pairs): at
+    a pair's last step its product joins the total and starts again from 0, by selects."""
     token, col_block = tl.program_id(0), tl.program_id(1)
     follow(PDL)
     col = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = col < E
     dtype = y_ptr.dtype.element_ty
+    steps = tl.cdiv(I_e, BLOCK_K)
     total = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
-        w = w_ptr + tl.load(ids_ptr + pair) * E * I_e
+    if DOT:
+        acc = tl.zeros([16, BLOCK_N], tl.float32)
+    else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, I_e, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < I_e
-            a = tl.load(h_ptr + pair * I_e + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            b = tl.load(w + col[:, None] * I_e + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += b.to(tl.float32) * a
-        weight = tl.load(weights_ptr + pair).to(tl.float32)
-        total += (tl.sum(acc, 1).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    for i in range(0, TOP_K * steps):
+        pair = token * TOP_K + i // steps
+        k = i % steps * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = w_ptr + tl.load(ids_ptr + pair) * E * I_e
+        acc = _row_times(h_ptr + pair * I_e, w, col, col_ok, k, k < I_e, I_e, acc, DOT, PRECISION)
+        end = i % steps == steps - 1
+        y = (_row_sum(acc, DOT).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)).to(dtype)
+        total = tl.where(end, total + y.to(tl.float32), total)
+        acc = tl.where(end, 0.0, acc)
     tl.store(y_ptr + token * E + col, total.to(dtype), mask=col_ok)
 
 
@@ -336,12 +364,10 @@ def pair_experts(
     assert x.stride(1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     h = torch.empty(T * k, I_e, dtype=x.dtype, device=x.device)
-    pdl = dependent_launch(x.device)
-    _pair_gate_up_kernel[(T * k, triton.cdiv(I_e, PAIR_BLOCK_N))](
-        x, gate_up, ids, h, k, E, I_e, x.stride(0), BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K,
-        num_warps=PAIR_WARPS, enable_fp_fusion=False, **pdl)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 exactly; 16-bit inputs ignore it
+    launch = dict(BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, DOT=PAIR_DOT, PRECISION=precision, num_warps=PAIR_WARPS,
+                  num_stages=PAIR_STAGES, enable_fp_fusion=False, **dependent_launch(x.device))
+    _pair_gate_up_kernel[(T * k, triton.cdiv(I_e, PAIR_BLOCK_N))](x, gate_up, ids, h, k, E, I_e, x.stride(0), **launch)
     y = torch.empty(T, E, dtype=x.dtype, device=x.device)
-    _pair_down_kernel[(T, triton.cdiv(E, PAIR_BLOCK_N))](
-        h, down, ids, weights, y, E, I_e, TOP_K=k, BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K,
-        num_warps=PAIR_WARPS, enable_fp_fusion=False, **pdl)
+    _pair_down_kernel[(T, triton.cdiv(E, PAIR_BLOCK_N))](h, down, ids, weights, y, E, I_e, TOP_K=k, **launch)
     return y
