@@ -261,7 +261,7 @@ def _store(out_ptr, bias_ptr, total, up, rows, cols, cols_in, out_ok, stride_om,
 
 
 @functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
+def arrival_counters(device: torch.device) -> torch.Tensor:
     """The device's arrival counters, 0 between launches (each split launch's last program puts its own back)."""
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
@@ -281,7 +281,7 @@ def prepare(model: nn.Module, device: torch.device, max_rows: int) -> None:
     (results/logs/h200_9c50836_e16.log)."""
     if device.type != "cuda":
         return
-    _counters(device)
+    arrival_counters(device)
     compiled = set()
     for layer in model.modules():
         if not isinstance(layer, Linear):
@@ -328,7 +328,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t:
     m_tiles, n_tiles = triton.cdiv(M, t.block_m), triton.cdiv(n_out, t.block_n)
     assert not split or m_tiles * n_tiles <= COUNTERS, "a split launch needs an arrival counter per tile"
     partials = torch.empty(p.splits, M, N, dtype=torch.float32, device=x.device) if split else out
-    counters = _counters(x.device) if x.is_cuda else torch.zeros(m_tiles * n_tiles, dtype=torch.int32)
+    counters = arrival_counters(x.device) if x.is_cuda else torch.zeros(m_tiles * n_tiles, dtype=torch.int32)
     grid = (p.splits, n_tiles, m_tiles) if split else (n_tiles, m_tiles)
     _matmul_kernel[grid](
         x, weight, bias if bias is not None else weight, out, partials, counters, M, N, K,

@@ -28,7 +28,7 @@ from torch import nn
 from weft.config import MoEConfig
 from weft.layers import fused
 from weft.layers.fused import dependent_launch, follow, silu_times
-from weft.layers.linear import Linear
+from weft.layers.linear import COUNTERS, Linear, arrival_counters
 
 
 class Experts(nn.Module):
@@ -271,10 +271,10 @@ def expert_kernels(
 
 PAIR_ROWS = 16  # the most (token, expert) pairs `pair_experts` runs; more are grouped by expert first
 PAIR_BLOCK_N = 16  # columns a pair kernel's program computes
-PAIR_BLOCK_K = 256  # the step along K of a pair kernel's program
+PAIR_BLOCK_K = 128  # the step along K of a pair kernel's program
 PAIR_WARPS = 4
-PAIR_STAGES = 3
-PAIR_DOT = False
+PAIR_STAGES = 4
+PAIR_DOT = True
 DOT_ROWS = 16  # tl.dot's least rows: a pair's one row padded with rows that read 0
 
 
@@ -326,33 +326,37 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, TOP_K, E, I_e, stride_xt,
 
 
 @triton.jit
-def _pair_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, y_ptr, E, I_e, TOP_K: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-                      PDL: tl.constexpr):
-    """Program (token, column block): the token's pairs' down projections, each rounded and weighted, summed in top-k
-    order, for BLOCK_N columns of E. One loop over every pair's steps along I_e (so loads run ahead across pairs): at
-    a pair's last step its product joins the total and starts again from 0, by selects."""
-    token, col_block = tl.program_id(0), tl.program_id(1)
+def _pair_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, partials_ptr, counters_ptr, y_ptr, E, I_e,
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                      PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Program (pair, column block): the pair's down projection for BLOCK_N columns of E, rounded and weighted
+    (HF's rounding); the last of a token's pairs to finish them sums the token's in top-k order, counted by an
+    arrival counter per (token, column block), as weft.layers.linear's split launches count theirs."""
+    pair, col_block = tl.program_id(0), tl.program_id(1)
     follow(PDL)
     col = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = col < E
-    dtype = y_ptr.dtype.element_ty
-    steps = tl.cdiv(I_e, BLOCK_K)
-    total = tl.zeros([BLOCK_N], tl.float32)
+    w = w_ptr + tl.load(ids_ptr + pair) * E * I_e
     if DOT:
         acc = tl.zeros([16, BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for i in range(0, TOP_K * steps):
-        pair = token * TOP_K + i // steps
-        k = i % steps * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = w_ptr + tl.load(ids_ptr + pair) * E * I_e
+    for k0 in range(0, I_e, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
         acc = _row_times(h_ptr + pair * I_e, w, col, col_ok, k, k < I_e, I_e, acc, DOT, PRECISION)
-        end = i % steps == steps - 1
-        y = (_row_sum(acc, DOT).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)).to(dtype)
-        total = tl.where(end, total + y.to(tl.float32), total)
-        acc = tl.where(end, 0.0, acc)
-    tl.store(y_ptr + token * E + col, total.to(dtype), mask=col_ok)
+    dtype = y_ptr.dtype.element_ty
+    y = (_row_sum(acc, DOT).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)).to(dtype)
+    tl.store(partials_ptr + pair * E + col, y, mask=col_ok)
+    tl.debug_barrier()  # every thread's part is stored before the arrival counts
+    token = pair // TOP_K
+    counter = counters_ptr + token * tl.num_programs(1) + col_block
+    if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K - 1:
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for j in range(TOP_K):
+            part = partials_ptr + (token * TOP_K + j) * E + col
+            total += tl.load(part, mask=col_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(y_ptr + token * E + col, total.to(dtype), mask=col_ok)
+        tl.store(counter, 0)  # ready for the next launch
 
 
 def pair_experts(
@@ -368,6 +372,10 @@ def pair_experts(
     launch = dict(BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, DOT=PAIR_DOT, PRECISION=precision, num_warps=PAIR_WARPS,
                   num_stages=PAIR_STAGES, enable_fp_fusion=False, **dependent_launch(x.device))
     _pair_gate_up_kernel[(T * k, triton.cdiv(I_e, PAIR_BLOCK_N))](x, gate_up, ids, h, k, E, I_e, x.stride(0), **launch)
+    partials = torch.empty(T * k, E, dtype=x.dtype, device=x.device)
+    col_blocks = triton.cdiv(E, PAIR_BLOCK_N)
+    assert T * col_blocks <= COUNTERS, "pair_experts needs an arrival counter per (token, column block)"
+    counters = arrival_counters(x.device) if x.is_cuda else torch.zeros(T * col_blocks, dtype=torch.int32)
     y = torch.empty(T, E, dtype=x.dtype, device=x.device)
-    _pair_down_kernel[(T, triton.cdiv(E, PAIR_BLOCK_N))](h, down, ids, weights, y, E, I_e, TOP_K=k, **launch)
+    _pair_down_kernel[(T * k, col_blocks)](h, down, ids, weights, partials, counters, y, E, I_e, TOP_K=k, **launch)
     return y
