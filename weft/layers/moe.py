@@ -7,9 +7,9 @@ kernels over all of a layer's (token, expert) pairs at once, with or without the
 down with the router weight in its epilogue. Many pairs (a prefill, a large batch) are grouped by expert on the
 device (no host sync, so CUDA graphs can hold it), each block of BLOCK_M pairs of one expert multiplying its tokens
 by that expert's weights: an expert's weights are read once per block. Few pairs (a small batch's decode: at most
-PAIR_ROWS) run a program per pair and slice of columns, reading its expert's weights directly, and down's programs
-sum each token's pairs: no grouping pass and no sum after, which at batch 1 cost more than the experts' GEMMs
-(results/HISTORY.md). Elsewhere (and as their reference) the same arithmetic runs in PyTorch ops on each pair's
+PAIR_ROWS) run a program per pair and slice of columns, reading its expert's weights directly, and the last of a
+token's down programs to finish sums its pairs: no grouping pass and no sum after, which at batch 1 cost more than
+the experts' GEMMs (results/HISTORY.md). Elsewhere (and as their reference) the same arithmetic runs in PyTorch ops on each pair's
 gathered expert weights: memory T * top_k * 3 * I_e * E, for tests and tiny models on the CPU.
 
 Rounding follows HF's: each projection is rounded to the activations' dtype, SiLU(gate) before the multiply by up,
