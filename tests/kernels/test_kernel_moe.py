@@ -11,13 +11,13 @@ import torch.nn.functional as F
 from weft.config import MoEConfig
 from weft.layers import fused
 from weft.layers.moe import (
-    PAIR_ROWS,
     SparseMoE,
     experts_reference,
     fused_experts,
     group_pairs,
     pair_experts,
     route_kernel,
+    runs_pairs,
 )
 
 pytestmark = pytest.mark.kernels
@@ -71,7 +71,7 @@ def test_fused_experts_match_the_definition(device, dtype, T, N, k, E, I_e):
 # E and I_e off the pair kernels' column blocks and K steps; one pair and as many as they take
 @pytest.mark.parametrize(("T", "N", "k", "E", "I_e"), [(1, 4, 1, 300, 40), (1, 128, 8, 64, 24), (2, 8, 8, 48, 264)])
 def test_pair_experts_sum_each_tokens_pairs(device, dtype, T, N, k, E, I_e):
-    assert T * k <= PAIR_ROWS
+    assert runs_pairs(T, k, E)
     args = routed(T, N, k, E, I_e, dtype, device, seed=T + k)
     want = definition(*args).view(T, k, E).sum(1)
     got = pair_experts(*args)

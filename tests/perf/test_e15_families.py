@@ -28,13 +28,13 @@ from weft.benchmark.floor import step_weights
 from weft.benchmark.runner import BenchConfig
 from weft.inference.config import DTYPES
 from weft.layers.moe import (
-    PAIR_ROWS,
     SparseMoE,
     expert_kernels,
     experts_reference,
     fused_experts,
     kernel_groups,
     pair_experts,
+    runs_pairs,
 )
 from weft.models.loader import resolve_model
 
@@ -81,7 +81,7 @@ def test_e15_moe_kernels(benchmark, sizes, device, e15_kernel_tokens):
         x = torch.randn(T, cfg.E, generator=g, dtype=dtype)
     weights, ids = layer.route(x)
     gate_up, down, k = layer.experts.gate_up_proj, layer.experts.down_proj, cfg.moe.top_k
-    pairs = T * k <= PAIR_ROWS
+    pairs = runs_pairs(T, k, cfg.E)
     if pairs:
         kernels = with_grouping = functools.partial(pair_experts, x, gate_up, down, weights, ids)
     else:

@@ -9,8 +9,8 @@ device (no host sync, so CUDA graphs can hold it), each block of BLOCK_M pairs o
 by that expert's weights: an expert's weights are read once per block. Few pairs (a small batch's decode: at most
 PAIR_ROWS) run a program per pair and slice of columns, reading its expert's weights directly, and the last of a
 token's down programs to finish sums its pairs: no grouping pass and no sum after, which at batch 1 cost more than
-the experts' GEMMs (results/HISTORY.md). Elsewhere (and as their reference) the same arithmetic runs in PyTorch ops on each pair's
-gathered expert weights: memory T * top_k * 3 * I_e * E, for tests and tiny models on the CPU.
+the experts' GEMMs (results/HISTORY.md). Elsewhere (and as their reference) the same arithmetic runs in PyTorch
+ops on each pair's gathered expert weights: memory T * top_k * 3 * I_e * E, for tests and tiny models on the CPU.
 
 Rounding follows HF's: each projection is rounded to the activations' dtype, SiLU(gate) before the multiply by up,
 the router weight multiplied after down, a token's pairs summed in top-k order (as HF's default grouped_mm
@@ -64,7 +64,7 @@ class SparseMoE(nn.Module):
         weights, ids = self.route(x)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         T, k = ids.shape
-        if fused.on_kernels(x) and T * k <= PAIR_ROWS:
+        if fused.on_kernels(x) and runs_pairs(T, k, x.shape[1]):
             return pair_experts(x, gate_up, down, weights, ids)
         run = fused_experts if fused.on_kernels(x) else experts_reference
         return run(x, gate_up, down, weights, ids).view(T, k, -1).sum(dim=1)
@@ -270,38 +270,29 @@ def expert_kernels(
 
 
 PAIR_ROWS = 16  # the most (token, expert) pairs `pair_experts` runs; more are grouped by expert first
-PAIR_BLOCK_N = 16  # columns a pair kernel's program computes
-PAIR_BLOCK_K = 128  # the step along K of a pair kernel's program
-PAIR_WARPS = 4
-PAIR_STAGES = 4
-PAIR_DOT = True
-DOT_ROWS = 16  # tl.dot's least rows: a pair's one row padded with rows that read 0
+# A pair kernel's program: PAIR_BLOCK_N columns, K in steps of PAIR_BLOCK_K, its products summed along K at the
+# end (tl.sum, not tl.dot: one row per pair). The fastest of those tried at batch 1 and 2 on an H100
+# (results/logs/h100_moe_pairs_4d657f6.log).
+PAIR_BLOCK_N = 8
+PAIR_BLOCK_K = 256
+
+
+def runs_pairs(T: int, top_k: int, E: int) -> bool:
+    """Whether `pair_experts` takes T tokens' top_k pairs each, of hidden size E: at most PAIR_ROWS pairs, and an
+    arrival counter for each (token, column block)."""
+    return T * top_k <= PAIR_ROWS and T * triton.cdiv(E, PAIR_BLOCK_N) <= COUNTERS
 
 
 @triton.jit
-def _row_times(x_ptr, w_ptr, cols, col_ok, k, k_ok, stride_w, acc, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + the row x[k] times w[cols, k]: DOT, acc [DOT_ROWS, BLOCK_N] by tl.dot, the row in row 0; else acc
-    [BLOCK_N, BLOCK_K] products, summed along K later."""
+def _row_times(x_ptr, w_ptr, cols, col_ok, k, k_ok, stride_w, acc):
+    """acc [BLOCK_N, BLOCK_K] + the row x[k] times w[cols, k], elementwise in float32 (summed along K later)."""
     w = tl.load(w_ptr + cols[:, None] * stride_w + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-    if DOT:
-        rows = tl.arange(0, 16)
-        a = tl.load(x_ptr + rows[:, None] * 0 + k[None, :], mask=(rows == 0)[:, None] & k_ok[None, :], other=0.0)
-        return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     return acc + w.to(tl.float32) * tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
 
 
 @triton.jit
-def _row_sum(acc, DOT: tl.constexpr):
-    """_row_times' float32 sums [BLOCK_N]."""
-    if DOT:
-        return tl.sum(acc, 0)  # rows past 0 are 0
-    return tl.sum(acc, 1)
-
-
-@triton.jit
 def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, TOP_K, E, I_e, stride_xt,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-                         PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (pair, column block): SiLU(gate) x up of the pair's token by its expert, for BLOCK_N columns of I_e."""
     pair, col_block = tl.program_id(0), tl.program_id(1)
     follow(PDL)
@@ -309,26 +300,21 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, TOP_K, E, I_e, stride_xt,
     w = w_ptr + tl.load(ids_ptr + pair) * 2 * I_e * E
     col = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = col < I_e
-    if DOT:
-        gate = tl.zeros([16, BLOCK_N], tl.float32)
-        up = tl.zeros([16, BLOCK_N], tl.float32)
-    else:
-        gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, E, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < E
-        gate = _row_times(x, w, col, col_ok, k, k_ok, E, gate, DOT, PRECISION)
-        up = _row_times(x, w + I_e * E, col, col_ok, k, k_ok, E, up, DOT, PRECISION)
+        gate = _row_times(x, w, col, col_ok, k, k_ok, E, gate)
+        up = _row_times(x, w + I_e * E, col, col_ok, k, k_ok, E, up)
     dtype = h_ptr.dtype.element_ty
-    h = silu_times(_row_sum(gate, DOT).to(dtype), _row_sum(up, DOT).to(dtype), dtype)  # each projection rounded
+    h = silu_times(tl.sum(gate, 1).to(dtype), tl.sum(up, 1).to(dtype), dtype)  # each projection rounded
     tl.store(h_ptr + pair * I_e + col, h, mask=col_ok)
 
 
 @triton.jit
 def _pair_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, partials_ptr, counters_ptr, y_ptr, E, I_e,
-                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                      PRECISION: tl.constexpr, PDL: tl.constexpr):
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (pair, column block): the pair's down projection for BLOCK_N columns of E, rounded and weighted
     (HF's rounding); the last of a token's pairs to finish them sums the token's in top-k order, counted by an
     arrival counter per (token, column block), as weft.layers.linear's split launches count theirs."""
@@ -337,15 +323,12 @@ def _pair_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, partials_ptr, counters
     col = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = col < E
     w = w_ptr + tl.load(ids_ptr + pair) * E * I_e
-    if DOT:
-        acc = tl.zeros([16, BLOCK_N], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, I_e, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        acc = _row_times(h_ptr + pair * I_e, w, col, col_ok, k, k < I_e, I_e, acc, DOT, PRECISION)
+        acc = _row_times(h_ptr + pair * I_e, w, col, col_ok, k, k < I_e, I_e, acc)
     dtype = y_ptr.dtype.element_ty
-    y = (_row_sum(acc, DOT).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)).to(dtype)
+    y = (tl.sum(acc, 1).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)).to(dtype)
     tl.store(partials_ptr + pair * E + col, y, mask=col_ok)
     tl.debug_barrier()  # every thread's part is stored before the arrival counts
     token = pair // TOP_K
@@ -362,19 +345,17 @@ def _pair_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, partials_ptr, counters
 def pair_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """The experts' weighted outputs summed over each token's pairs, a program per pair (few pairs: PAIR_ROWS):
+    """The experts' weighted outputs summed over each token's pairs, a program per pair (few pairs: `runs_pairs`):
     x [T, E], gate_up [N, 2 I_e, E], down [N, E, I_e] (contiguous), weights and ids [T, top_k] -> [T, E]."""
     (T, E), (_, _, I_e), k = x.shape, down.shape, ids.shape[1]
     assert x.stride(1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     h = torch.empty(T * k, I_e, dtype=x.dtype, device=x.device)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 exactly; 16-bit inputs ignore it
-    launch = dict(BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, DOT=PAIR_DOT, PRECISION=precision, num_warps=PAIR_WARPS,
-                  num_stages=PAIR_STAGES, enable_fp_fusion=False, **dependent_launch(x.device))
+    launch = dict(BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, enable_fp_fusion=False, **dependent_launch(x.device))
     _pair_gate_up_kernel[(T * k, triton.cdiv(I_e, PAIR_BLOCK_N))](x, gate_up, ids, h, k, E, I_e, x.stride(0), **launch)
     partials = torch.empty(T * k, E, dtype=x.dtype, device=x.device)
     col_blocks = triton.cdiv(E, PAIR_BLOCK_N)
-    assert T * col_blocks <= COUNTERS, "pair_experts needs an arrival counter per (token, column block)"
+    assert runs_pairs(T, k, E), "pair_experts takes few pairs, with an arrival counter per (token, column block)"
     counters = arrival_counters(x.device) if x.is_cuda else torch.zeros(T * col_blocks, dtype=torch.int32)
     y = torch.empty(T, E, dtype=x.dtype, device=x.device)
     _pair_down_kernel[(T * k, col_blocks)](h, down, ids, weights, partials, counters, y, E, I_e, TOP_K=k, **launch)
