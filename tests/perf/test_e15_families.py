@@ -9,21 +9,22 @@
 - moe_kernels: one MoE layer's expert kernels (gate_up, then down) over each of e15_kernel_tokens' counts of random
   tokens routed by the layer's router, against the bytes they must move, as a fraction of the copy bandwidth: at
   batch 1 the pair kernels (a program per (token, expert) pair), at 256 tokens the kernels over pairs grouped by
-  expert. Without a GPU they run once
-  at toy sizes in Triton's interpreter, timed by the host clock, only so that the code cannot rot.
+  expert; GPU time replayed from a CUDA graph over several routings. Without a GPU they run once at toy sizes in
+  Triton's interpreter, timed by the host clock, only so that the code cannot rot.
 
 The models are large (the MoE is 61 GB in bf16, and weft copies it into its own): each test takes its model `alone`,
 so no two sit in memory at once; the MoE's tests come first and share one build.
 """
 
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
 from weft.benchmark import workloads
-from weft.benchmark.environment import kernel_environment, launched_seconds
+from weft.benchmark.environment import graph_seconds, kernel_environment, launched_seconds
 from weft.benchmark.floor import step_weights
 from weft.benchmark.runner import BenchConfig
 from weft.inference.config import DTYPES
@@ -40,6 +41,7 @@ from weft.models.loader import resolve_model
 
 pytestmark = pytest.mark.perf
 
+COPIES = 8  # routings replayed in one graph on a GPU: together they read most of the experts, beyond the L2
 CHECKED_TOKENS = 8  # the kernels' first tokens checked against the PyTorch reference (which gathers weights per pair)
 
 
@@ -68,38 +70,49 @@ def test_e15_batch1_itl(run_benchmark, sizes, model_for, device, e15_itl_model):
                   **step_weights(hf, 1, device))
 
 
+def expert_passes(layer: SparseMoE, x: torch.Tensor, top_k: int, num_experts: int) -> tuple[Callable, Callable]:
+    """x [T, E]'s expert pass as SparseMoE runs it (few pairs: `pair_experts`, which sums each token's pairs; more:
+    grouped by expert beforehand, [T * top_k, E] each pair's), and beside it the whole pass with the grouping."""
+    weights, ids = layer.route(x)
+    gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
+    if runs_pairs(x.shape[0], top_k, x.shape[1]):
+        kernels = functools.partial(pair_experts, x, gate_up, down, weights, ids)
+        return kernels, kernels
+    return (functools.partial(expert_kernels, x, gate_up, down, weights, *kernel_groups(ids, num_experts)),
+            functools.partial(fused_experts, x, gate_up, down, weights, ids))
+
+
 def test_e15_moe_kernels(benchmark, sizes, device, e15_kernel_tokens):
     """The gate_up and down kernels of one layer of e15_moe_model over T routed tokens as SparseMoE runs them: few
-    pairs by `pair_experts` (which sums each token's pairs), more grouped by expert beforehand; beside them, the
-    layer's whole expert pass with the grouping (`fused_experts`), where there is one."""
+    pairs by `pair_experts`, more grouped by expert beforehand; beside them, the layer's whole expert pass with the
+    grouping (`fused_experts`), where there is one. On a GPU, COPIES sets of tokens (each routed to its own experts,
+    as a step's layers each read their own) replayed from one CUDA graph."""
     cfg, dtype, T = resolve_model(sizes.e15_moe_model).config, DTYPES[sizes.dtype], e15_kernel_tokens
+    k, num_experts = cfg.moe.top_k, cfg.moe.num_experts
     g = torch.Generator(device).manual_seed(0)
     with torch.device(device):
         layer = SparseMoE(cfg.E, cfg.moe).to(dtype).requires_grad_(False)
         for p in layer.parameters():
             nn.init.normal_(p, std=p.shape[-1] ** -0.5, generator=g)  # each output of unit scale
-        x = torch.randn(T, cfg.E, generator=g, dtype=dtype)
-    weights, ids = layer.route(x)
-    gate_up, down, k = layer.experts.gate_up_proj, layer.experts.down_proj, cfg.moe.top_k
+        xs = [torch.randn(T, cfg.E, generator=g, dtype=dtype) for _ in range(COPIES if device.type == "cuda" else 1)]
     pairs = runs_pairs(T, k, cfg.E)
-    if pairs:
-        kernels = with_grouping = functools.partial(pair_experts, x, gate_up, down, weights, ids)
-    else:
-        kernels = functools.partial(expert_kernels, x, gate_up, down, weights, *kernel_groups(ids, cfg.moe.num_experts))
-        with_grouping = functools.partial(fused_experts, x, gate_up, down, weights, ids)
-    out = kernels()  # [T, E] summed over each token's pairs, or [T * top_k, E] each pair's
+    passes = [expert_passes(layer, x, k, num_experts) for x in xs]
+    out = passes[0][0]()  # [T, E] summed over each token's pairs, or [T * top_k, E] each pair's
+    weights, ids = layer.route(xs[0])
     n = min(T, CHECKED_TOKENS)
-    ref = experts_reference(x[:n], gate_up, down, weights[:n], ids[:n]).view(n, k, -1).sum(1)
+    gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
+    ref = experts_reference(xs[0][:n], gate_up, down, weights[:n], ids[:n]).view(n, k, -1).sum(1)
     got = out[:n] if pairs else out[: n * k].view(n, k, -1).sum(1)
     err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < 2e-2, f"the expert kernels disagree with the PyTorch reference: relative error {err:.3g}"
 
-    seconds = launched_seconds(kernels)
-    with_grouping = seconds if pairs else launched_seconds(with_grouping)
-    touched = ids.unique().numel()
+    timed = graph_seconds if device.type == "cuda" else lambda fns: launched_seconds(fns[0])
+    seconds = timed([kernels for kernels, _ in passes])
+    with_grouping = seconds if pairs else timed([whole for _, whole in passes])
+    touched = sum(layer.route(x)[1].unique().numel() for x in xs) / len(xs)
     # what must move: each touched expert's gate_up and down, the tokens in, the outputs out (each token's or each
     # pair's; the intermediate [T * top_k, I_e] written by one kernel and read by the other is the design's)
-    nbytes = (touched * (gate_up[0].numel() + down[0].numel()) + x.numel() + out.numel()) * dtype.itemsize
+    nbytes = (touched * (gate_up[0].numel() + down[0].numel()) + xs[0].numel() + out.numel()) * dtype.itemsize
     gbps = nbytes / seconds / 1e9
     env = kernel_environment(device)
     benchmark.extra_info.update(
@@ -109,8 +122,8 @@ def test_e15_moe_kernels(benchmark, sizes, device, e15_kernel_tokens):
         path="pairs" if pairs else "grouped",
         E=cfg.E,
         I_e=cfg.moe.intermediate,
-        num_experts=cfg.moe.num_experts,
-        top_k=cfg.moe.top_k,
+        num_experts=num_experts,
+        top_k=k,
         experts_touched=touched,
         dtype=sizes.dtype,
         time_s=seconds,
@@ -118,8 +131,8 @@ def test_e15_moe_kernels(benchmark, sizes, device, e15_kernel_tokens):
         bytes=nbytes,
         gbps=gbps,
         pct_of_copy=100 * gbps / env["copy_gbps"] if env["copy_gbps"] else None,
-        timer="do_bench median, L2 flushed" if device.type == "cuda" else "host clock, one call",
+        timer=f"CUDA graph over {COPIES} routings, median" if device.type == "cuda" else "host clock, one call",
         rel_err_vs_reference=err,
         **env,
     )
-    benchmark.pedantic(kernels, rounds=1, iterations=1)
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
