@@ -1,5 +1,5 @@
 """The fused MoE kernels (weft/layers/moe.py) against a float64 reference written from the definition, the pairs'
-grouping by expert, the routing kernel against PyTorch's softmax and top-k, and weft's SparseMoE against HF's
+grouping by expert, the routing kernels against PyTorch's softmax and top-k, and weft's SparseMoE against HF's
 Qwen3MoeSparseMoeBlock."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from weft.layers.moe import (
     group_pairs,
     pair_experts,
     route_kernel,
+    router_kernel,
     runs_pairs,
 )
 
@@ -93,6 +94,25 @@ def test_route_kernel_is_softmax_top_k(device, norm, T, N, k):
     assert ids[0, :2].tolist() == [1, 2][:k]  # torch.topk may order the tie either way
     assert ids[0, 2:].tolist() == want_ids[0, 2:].tolist() and ids[1:].tolist() == want_ids[1:].tolist()
     assert torch.allclose(weights.double(), want_weights, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
+@pytest.mark.parametrize(("T", "N", "k", "E"), [(1, 128, 8, 300), (2, 60, 3, 48), (2, 8, 1, 2048)])
+def test_router_kernel_is_the_matmul_then_the_routing(device, dtype, T, N, k, E):
+    """The router's matmul and routing in one launch, against the definition in float64: its experts have the top_k
+    logits in order (up to the dtype's rounding of a logit: the kernel rounds them as the router's Linear does),
+    their weights are their renormalised softmax probabilities. Run twice: the arrival counters are back at 0."""
+    g = torch.Generator().manual_seed(E)
+    x, w = torch.randn(T, E, generator=g).to(dtype), (torch.randn(N, E, generator=g) / E**0.5).to(dtype)
+    logits = x.double() @ w.double().T  # [T, N]
+    best = logits.topk(k, dim=-1).values
+    for _ in range(2):
+        weights, ids = router_kernel(x.to(device), w.to(device), k, True)
+        ids = ids.cpu()
+        assert weights.dtype == dtype and all(len(set(row)) == k for row in ids.tolist())
+        assert torch.allclose(logits.gather(1, ids), best, rtol=0, atol=TOL[dtype] * best.abs().max())
+        probs = F.softmax(logits, dim=-1).gather(1, ids)
+        assert torch.allclose(weights.double().cpu(), probs / probs.sum(-1, keepdim=True), rtol=TOL[dtype], atol=0)
 
 
 # pairs within one of the grouping kernel's tiles and across many; experts fewer than a power of two, and 128

@@ -9,7 +9,7 @@ device (no host sync, so CUDA graphs can hold it), each block of BLOCK_M pairs o
 by that expert's weights: an expert's weights are read once per block. Few pairs (a small batch's decode: at most
 PAIR_ROWS) run a program per pair and slice of columns, reading its expert's weights directly, and the last of a
 token's down programs to finish sums its pairs: no grouping pass and no sum after, which at batch 1 cost more than
-the experts' GEMMs (results/HISTORY.md). Elsewhere (and as their reference) the same arithmetic runs in PyTorch
+the experts' GEMMs (results/HISTORY.md); their routing, the router's matmul included, is one launch too. Elsewhere (and as their reference) the same arithmetic runs in PyTorch
 ops on each pair's gathered expert weights: memory T * top_k * 3 * I_e * E, for tests and tiny models on the CPU.
 
 Rounding follows HF's: each projection is rounded to the activations' dtype, SiLU(gate) before the multiply by up,
@@ -61,24 +61,22 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, E] -> [T, E]"""
-        weights, ids = self.route(x)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        T, k = ids.shape
+        T, k = x.shape[0], self.moe.top_k
         if fused.on_kernels(x) and runs_pairs(T, k, x.shape[1]):
+            weights, ids = router_kernel(x, self.gate.weight, k, self.moe.norm_topk_prob)
             return pair_experts(x, gate_up, down, weights, ids)
+        weights, ids = self.route(x)
         run = fused_experts if fused.on_kernels(x) else experts_reference
         return run(x, gate_up, down, weights, ids).view(T, k, -1).sum(dim=1)
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, N, stride_t, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
-                  BLOCK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    """One token a program: its top_k experts by logit (the softmax's order; equal logits by the lower id), their
-    softmax probabilities in float32 (renormalised over the top_k: NORM), rounded to the weights' dtype."""
-    follow(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    col = tl.arange(0, BLOCK)
-    z = tl.load(logits_ptr + t * stride_t + col, mask=col < N, other=float("-inf")).to(tl.float32)
+def _route_row(z, col, weights_ptr, ids_ptr, t, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK: tl.constexpr,
+               NORM: tl.constexpr):
+    """Token t's routing from its logits z [BLOCK] float32 (-inf past N) at ids col: its top_k experts by logit (the
+    softmax's order; equal logits by the lower id) and their softmax probabilities in float32 (renormalised over
+    the top_k: NORM), rounded to the weights' dtype, stored in row t of weights and ids [T, top_k]."""
     top = tl.max(z, 0)
     total = tl.sum(tl.exp(z - top), 0)
     slot = tl.arange(0, TOP_K_P2)
@@ -95,6 +93,17 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, N, stride_t, TOP_K: tl.const
     mine = slot < TOP_K
     tl.store(weights_ptr + t * TOP_K + slot, picked.to(weights_ptr.dtype.element_ty), mask=mine)
     tl.store(ids_ptr + t * TOP_K + slot, ids, mask=mine)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, N, stride_t, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
+                  BLOCK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    """One token a program: its routing (`_route_row`) from its row of logits."""
+    follow(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    col = tl.arange(0, BLOCK)
+    z = tl.load(logits_ptr + t * stride_t + col, mask=col < N, other=float("-inf")).to(tl.float32)
+    _route_row(z, col, weights_ptr, ids_ptr, t, TOP_K, TOP_K_P2, BLOCK, NORM)
 
 
 def route_kernel(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,6 +297,51 @@ def _row_times(x_ptr, w_ptr, cols, col_ok, k, k_ok, stride_w, acc):
     """acc [BLOCK_N, BLOCK_K] + the row x[k] times w[cols, k], elementwise in float32 (summed along K later)."""
     w = tl.load(w_ptr + cols[:, None] * stride_w + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
     return acc + w.to(tl.float32) * tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, logits_ptr, counters_ptr, weights_ptr, ids_ptr, N, E, stride_xt,
+                   TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
+                   ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program (token, block of ROWS experts): those experts' logits, rounded to x's dtype as the router's matmul
+    rounds them; the last of the token's programs to finish routes it (`_route_row`) from all N, counted by an
+    arrival counter per token."""
+    t, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    follow(PDL)
+    rows = block * ROWS + tl.arange(0, ROWS)
+    rows_ok = rows < N
+    acc = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    for k0 in range(0, E, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        acc = _row_times(x_ptr + t * stride_xt, w_ptr, rows, rows_ok, k, k < E, E, acc)
+    tl.store(logits_ptr + t * N + rows, tl.sum(acc, 1).to(logits_ptr.dtype.element_ty), mask=rows_ok)
+    tl.debug_barrier()  # every thread's logits are stored before the arrival counts
+    if tl.atomic_add(counters_ptr + t, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        col = tl.arange(0, BLOCK)
+        z = tl.load(logits_ptr + t * N + col, mask=col < N, other=float("-inf"), cache_modifier=".cg")
+        _route_row(z.to(tl.float32), col, weights_ptr, ids_ptr, t, TOP_K, TOP_K_P2, BLOCK, NORM)
+        tl.store(counters_ptr + t, 0)  # ready for the next launch
+
+
+ROUTER_ROWS = 8  # experts' logits per program of `router_kernel`: 16 programs a token for 128 experts
+
+
+def router_kernel(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`SparseMoE.route` whole, the router's matmul included, in one launch for few tokens (at most COUNTERS):
+    x [T, E], the router's weight w [N, E] -> (weights [T, top_k] in x's dtype, ids [T, top_k] int64)."""
+    (T, E), N = x.shape, w.shape[0]
+    assert x.stride(1) == 1 and w.is_contiguous() and T <= COUNTERS
+    logits = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    weights = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    counters = arrival_counters(x.device) if x.is_cuda else torch.zeros(T, dtype=torch.int32)
+    if T:
+        _router_kernel[(T, triton.cdiv(N, ROUTER_ROWS))](
+            x, w, logits, counters, weights, ids, N, E, x.stride(0), TOP_K=top_k,
+            TOP_K_P2=triton.next_power_of_2(top_k), BLOCK=triton.next_power_of_2(N), NORM=norm, ROWS=ROUTER_ROWS,
+            BLOCK_K=PAIR_BLOCK_K, enable_fp_fusion=False, **dependent_launch(x.device),
+        )
+    return weights, ids
 
 
 @triton.jit
