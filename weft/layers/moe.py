@@ -9,8 +9,9 @@ device (no host sync, so CUDA graphs can hold it), each block of BLOCK_M pairs o
 by that expert's weights: an expert's weights are read once per block. Few pairs (a small batch's decode: at most
 PAIR_ROWS) run a program per pair and slice of columns, reading its expert's weights directly, and the last of a
 token's down programs to finish sums its pairs: no grouping pass and no sum after, which at batch 1 cost more than
-the experts' GEMMs (results/HISTORY.md); their routing, the router's matmul included, is one launch too. Elsewhere (and as their reference) the same arithmetic runs in PyTorch
-ops on each pair's gathered expert weights: memory T * top_k * 3 * I_e * E, for tests and tiny models on the CPU.
+the experts' GEMMs (results/HISTORY.md); their routing, the router's matmul included, is one launch too.
+Elsewhere (and as their reference) the same arithmetic runs in PyTorch ops on each pair's gathered expert weights:
+memory T * top_k * 3 * I_e * E, for tests and tiny models on the CPU.
 
 Rounding follows HF's: each projection is rounded to the activations' dtype, SiLU(gate) before the multiply by up,
 the router weight multiplied after down, a token's pairs summed in top-k order (as HF's default grouped_mm
@@ -323,7 +324,10 @@ def _router_kernel(x_ptr, w_ptr, logits_ptr, counters_ptr, weights_ptr, ids_ptr,
         tl.store(counters_ptr + t, 0)  # ready for the next launch
 
 
-ROUTER_ROWS = 8  # experts' logits per program of `router_kernel`: 16 programs a token for 128 experts
+# `router_kernel`'s program: ROUTER_ROWS experts' logits, K in steps of ROUTER_BLOCK_K (the whole of Qwen3-30B-A3B's
+# 2048 at once). The fastest of those tried on an H100 (results/logs/h100_moe_router_3e4f874.log).
+ROUTER_ROWS = 4
+ROUTER_BLOCK_K = 2048
 
 
 def router_kernel(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,7 +343,8 @@ def router_kernel(x: torch.Tensor, w: torch.Tensor, top_k: int, norm: bool) -> t
         _router_kernel[(T, triton.cdiv(N, ROUTER_ROWS))](
             x, w, logits, counters, weights, ids, N, E, x.stride(0), TOP_K=top_k,
             TOP_K_P2=triton.next_power_of_2(top_k), BLOCK=triton.next_power_of_2(N), NORM=norm, ROWS=ROUTER_ROWS,
-            BLOCK_K=PAIR_BLOCK_K, enable_fp_fusion=False, **dependent_launch(x.device),
+            BLOCK_K=min(ROUTER_BLOCK_K, triton.next_power_of_2(E)), enable_fp_fusion=False,
+            **dependent_launch(x.device),
         )
     return weights, ids
 
