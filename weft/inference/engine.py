@@ -337,7 +337,7 @@ class LLMEngine:
         self.abort_request(list(self.requests))
         self.ranks.stop(self.runner)
         if self.grammars is not None:
-            self.grammars.close()
+            self.grammars.threads.shutdown()
         self.in_flight.clear()
         self.runner = None
         gc.collect()
