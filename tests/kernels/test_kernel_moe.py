@@ -115,7 +115,8 @@ def test_router_kernel_is_the_matmul_then_the_routing(device, dtype, T, N, k, E)
         assert torch.allclose(weights.double().cpu(), probs / probs.sum(-1, keepdim=True), rtol=TOL[dtype], atol=0)
 
 
-# pairs within one of the grouping kernel's tiles and across many; experts fewer than a power of two, and 128
+# pairs within one of the grouping kernel's tiles and across many, in one chunk (GROUP_CHUNK) and in ten; experts
+# fewer than a power of two, and 128
 @pytest.mark.parametrize(("T", "N", "k", "M"), [(37, 8, 3, 16), (300, 128, 8, 16), (70, 60, 4, 64)])
 def test_pairs_are_grouped_by_expert_in_padded_blocks(device, T, N, k, M):
     *_, ids = routed(T, N, k, 16, 16, torch.float32, device)

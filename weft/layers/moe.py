@@ -133,39 +133,71 @@ def experts_reference(
     return torch.bmm(h[:, None, :], down[flat].transpose(1, 2))[:, 0] * weights.reshape(-1, 1)
 
 
-GROUP_TILE = 128  # pairs the grouping kernel places at a time
+GROUP_TILE = 128  # pairs the grouping kernels take at a time
+GROUP_CHUNK = 256  # pairs a grouping program counts and places: a large batch's or a prefill's spread over programs
+
+
+@triton.jit
+def _chunk_counts(ids_ptr, chunk, P, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+    """Each expert's pairs among the chunk's CHUNK pairs [EXPERTS_P2] int32."""
+    experts = tl.arange(0, EXPERTS_P2)
+    counts = tl.zeros([EXPERTS_P2], tl.int32)
+    for first in range(chunk * CHUNK, chunk * CHUNK + CHUNK, TILE):
+        p = first + tl.arange(0, TILE)
+        e = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
+    return counts
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, P, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+    """Program c: each expert's pairs in chunk c -> row c of counts [chunks, EXPERTS_P2]."""
+    chunk = tl.program_id(0)
+    counts = _chunk_counts(ids_ptr, chunk, P, EXPERTS_P2, CHUNK, TILE)
+    tl.store(counts_ptr + chunk * EXPERTS_P2 + tl.arange(0, EXPERTS_P2), counts)
 
 
 @triton.jit
 def _group_kernel(
-    ids_ptr, pairs_ptr, block_expert_ptr, P, NUM_EXPERTS, NUM_BLOCKS,
-    BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, TILE: tl.constexpr,
+    ids_ptr, counts_ptr, pairs_ptr, block_expert_ptr, P, NUM_EXPERTS, NUM_BLOCKS, NUM_CHUNKS,
+    BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
+    COUNTED: tl.constexpr,
 ):
-    """One program: count each expert's pairs, lay out its padded group, place each pair at its group's start plus
-    the pairs of its expert before it (so each group keeps pair order), then name each block's expert."""
+    """Program c: lay out each expert's padded group from every chunk's counts (`_count_kernel`'s; COUNTED=False:
+    one chunk, counted here), place each pair of chunk c at its group's start plus the pairs of its expert before it
+    (in earlier chunks, then earlier in its own: each group keeps pair order); program 0 names each block's
+    expert."""
+    chunk = tl.program_id(0)
     experts = tl.arange(0, EXPERTS_P2)
-    counts = tl.zeros([EXPERTS_P2], tl.int32)
-    for first in range(0, P, TILE):
-        p = first + tl.arange(0, TILE)
-        e = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    if COUNTED:
+        totals = tl.zeros([EXPERTS_P2], tl.int32)
+        before = tl.zeros([EXPERTS_P2], tl.int32)  # this chunk's group offsets: the earlier chunks' pairs
+        for first in range(0, NUM_CHUNKS, TILE):
+            rows = first + tl.arange(0, TILE)
+            counts = tl.load(counts_ptr + rows[:, None] * EXPERTS_P2 + experts[None, :],
+                             mask=(rows < NUM_CHUNKS)[:, None], other=0)
+            totals += tl.sum(counts, 0)
+            before += tl.sum(tl.where((rows < chunk)[:, None], counts, 0), 0)
+    else:
+        totals = _chunk_counts(ids_ptr, chunk, P, EXPERTS_P2, CHUNK, TILE)
+        before = tl.zeros([EXPERTS_P2], tl.int32)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
-    placed = ends - padded  # each group's next free slot
-    for first in range(0, P, TILE):
+    placed = ends - padded + before  # each group's next free slot for this chunk's pairs
+    for first in range(chunk * CHUNK, chunk * CHUNK + CHUNK, TILE):
         p = first + tl.arange(0, TILE)
         e = tl.load(ids_ptr + p, mask=p < P, other=-1)
         mine = (e[:, None] == experts[None, :]).to(tl.int32)  # [TILE, EXPERTS_P2]
-        before = tl.cumsum(mine, 0) - mine  # the tile's earlier pairs of the same expert
-        slot = tl.sum(mine * (placed[None, :] + before), 1)
+        earlier = tl.cumsum(mine, 0) - mine  # the tile's earlier pairs of the same expert
+        slot = tl.sum(mine * (placed[None, :] + earlier), 1)
         tl.store(pairs_ptr + slot, p.to(tl.int64), mask=p < P)
         placed += tl.sum(mine, 0)
-    # block b's expert: the groups that end at or before its first slot (NUM_EXPERTS past the last group)
-    real = experts < NUM_EXPERTS
-    for first in range(0, NUM_BLOCKS, TILE):
-        b = first + tl.arange(0, TILE)
-        ended = (ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]
-        tl.store(block_expert_ptr + b, tl.sum(ended.to(tl.int64), 1), mask=b < NUM_BLOCKS)
+    if chunk == 0:  # block b's expert: the groups that end at or before its first slot (NUM_EXPERTS past the last)
+        real = experts < NUM_EXPERTS
+        for first in range(0, NUM_BLOCKS, TILE):
+            b = first + tl.arange(0, TILE)
+            ended = (ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]
+            tl.store(block_expert_ptr + b, tl.sum(ended.to(tl.int64), 1), mask=b < NUM_BLOCKS)
 
 
 def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,14 +205,21 @@ def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     expert's in pair order, its group padded to a multiple of block_m with P = T * top_k (a pair that writes
     nowhere); each block's expert [M / block_m] int64, num_experts for blocks past the last group). M = (cdiv(P,
     block_m) + num_experts) * block_m bounds the padded groups whatever the routing, so the sizes are fixed by T
-    alone. Two launches (the fill and one program that does the rest), no host sync: CUDA graphs hold it."""
+    alone. Up to GROUP_CHUNK pairs, one program after the fill; more, a program per chunk to count and one to place
+    (each chunk's pairs after the earlier chunks'). No host sync: CUDA graphs hold it."""
     flat = ids.flatten()
     P = flat.numel()
     blocks = triton.cdiv(P, block_m) + num_experts
+    chunks = max(1, triton.cdiv(P, GROUP_CHUNK))  # one at least: program 0 names the blocks
+    experts_p2 = triton.next_power_of_2(num_experts)
     pairs = torch.full((blocks * block_m,), P, dtype=torch.int64, device=ids.device)
     block_expert = torch.empty(blocks, dtype=torch.int64, device=ids.device)
-    _group_kernel[(1,)](flat, pairs, block_expert, P, num_experts, blocks, BLOCK_M=block_m,
-                        EXPERTS_P2=triton.next_power_of_2(num_experts), TILE=GROUP_TILE, num_warps=8)
+    counts = torch.empty(chunks, experts_p2, dtype=torch.int32, device=ids.device)
+    launch = dict(EXPERTS_P2=experts_p2, CHUNK=GROUP_CHUNK, TILE=GROUP_TILE, num_warps=8)
+    if chunks > 1:
+        _count_kernel[(chunks,)](flat, counts, P, **launch)
+    _group_kernel[(chunks,)](flat, counts, pairs, block_expert, P, num_experts, blocks, chunks, BLOCK_M=block_m,
+                             COUNTED=chunks > 1, **launch)
     return pairs, block_expert
 
 
