@@ -1,0 +1,65 @@
+"""The MoE's Triton kernels compiled for an H100/H200 (sm_90, bf16, the launches' constants) on any machine, GPU or
+not: the CPU tests run them in Triton's interpreter, which accepts code the GPU compiler refuses (the pair kernels'
+first `tl.dot` form passed the interpreter and failed to compile on the GPU: results/HISTORY.md). The compiler runs
+in a process of its own, without TRITON_INTERPRET (under it, `triton.jit` makes interpreted functions)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.kernels
+
+POINTERS = {"ids_ptr": "*i64", "pairs_ptr": "*i64", "block_expert_ptr": "*i64", "counters_ptr": "*i32",
+            "counts_ptr": "*i32"}  # every other pointer: bf16
+
+
+def kernels() -> list[tuple[object, dict[str, object]]]:
+    """(kernel, its constexprs) as weft.layers.moe launches them for the Qwen3-30B-A3B shape (E 2048, 128 experts,
+    top 8)."""
+    from weft.layers import moe
+
+    pair = dict(BLOCK_N=moe.PAIR_BLOCK_N, BLOCK_K=moe.PAIR_BLOCK_K, PDL=True)
+    route = dict(TOP_K=8, TOP_K_P2=8, BLOCK=128, NORM=True, PDL=True)
+    grouped = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32")
+    grouping = dict(EXPERTS_P2=128, CHUNK=moe.GROUP_CHUNK, TILE=moe.GROUP_TILE)
+    return [
+        (moe._pair_gate_up_kernel, pair),
+        (moe._pair_down_kernel, dict(pair, TOP_K=8)),
+        (moe._router_kernel, dict(route, ROWS=moe.ROUTER_ROWS, BLOCK_K=moe.ROUTER_BLOCK_K)),
+        (moe._route_kernel, route),
+        (moe._gate_up_kernel, grouped),
+        (moe._down_kernel, grouped),
+        (moe._count_kernel, grouping),
+        (moe._group_kernel, dict(grouping, BLOCK_M=64, COUNTED=False)),
+        (moe._group_kernel, dict(grouping, BLOCK_M=64, COUNTED=True)),
+    ]
+
+
+def compile_all() -> None:
+    """Compile each of `kernels()` to a cubin for sm_90; print one line each."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for kernel, constants in kernels():
+        signature = {p.name: "constexpr" if p.is_constexpr else POINTERS.get(p.name, "*bf16")
+                     if p.name.endswith("_ptr") else "i32" for p in kernel.params}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(enable_fp_fusion=False))
+        assert compiled.asm.get("cubin"), kernel.fn.__name__
+        print(kernel.fn.__name__, constants, "compiled")
+
+
+def test_moe_kernels_compile_for_the_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.count("compiled") == len(kernels()), run.stdout
+
+
+if __name__ == "__main__":
+    compile_all()
