@@ -191,12 +191,28 @@ def test_a_complete_output_allows_only_the_stop_tokens(smollm2, compiler):
 
 @needs_smollm2
 def test_ids_past_the_tokenizer_are_never_allowed(smollm2):
+    """A vocabulary wider than the tokenizer: xgrammar fills the tokenizer's words only, and the rows allow the
+    tokens xgrammar allows over the whole width."""
+    import xgrammar
+
     tok = smollm2.source.tokenizer
-    wider = GrammarCompiler(tok, len(tok) + 40)
-    bitmask = new_bitmask(1, len(tok) + 40)
-    wider.matcher(StructuredOutputsParams(json_object=True)).fill(bitmask, 0)
-    allowed = allowed_tokens(bitmask, len(tok) + 40)[0]
-    assert not allowed[len(tok):].any() and allowed[: len(tok)].any()
+    V = len(tok) + 40
+    wider = GrammarCompiler(tok, V)
+    spec = StructuredOutputsParams(json_object=True)
+    info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=V, stop_token_ids=list(wider.stop_token_ids))
+    whole = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_json_schema('{"type": "object"}',
+                                                                                      any_whitespace=False))
+    matcher = wider.matcher(spec)
+    bitmask, want = new_bitmask(1, V), new_bitmask(1, V)
+    for token in tok.encode('{"a": "b', add_special_tokens=False) + [None]:
+        matcher.fill(bitmask, 0)
+        whole.fill_next_token_bitmask(want, 0)
+        allowed = allowed_tokens(bitmask, V)[0]
+        assert torch.equal(allowed, allowed_tokens(want, V)[0])
+        assert not allowed[len(tok):].any() and allowed[: len(tok)].any()
+        if token is not None:
+            matcher.accept(token)
+            whole.accept_token(token)
 
 
 @needs_smollm2
@@ -235,32 +251,23 @@ def test_a_tokenizer_that_cannot_serve_the_model_is_refused(tokenizer, error, me
 
 
 @needs_smollm2
-def test_matchers_fill_and_accept_together_as_one_by_one(compiler, smollm2):
-    """fill_bitmask (one call into xgrammar) and accept_tokens (spread over threads from SPREAD_FROM matchers on) take
-    a step's matchers together: the same rows and states as one matcher at a time, whatever the rows held before,
-    and a token off a grammar still raises."""
-    from weft.inference.structured import SPREAD_FROM, accept_tokens, fill_bitmask
+def test_a_steps_bitmask_gathers_its_matchers_rows(compiler, smollm2):
+    """fill_bitmask takes a step's matchers together: the rows each one fills alone, whatever the buffer held, and
+    rows past the matchers are left as they were."""
+    from weft.inference.structured import fill_bitmask
 
     tok, V = smollm2.source.tokenizer, smollm2.source.config.V
     specs = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(regex=r"\d{3}-\d{4}"),
              StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(json_object=True)]
-    n = 2 * SPREAD_FROM + 3
     texts = ['{"name": "Al', "55", "y", '{"a"']
-    spread, alone = ([compiler.matcher(specs[i % 4]) for i in range(n)] for _ in range(2))
-    first = [tok.encode(texts[i % 4], add_special_tokens=False)[0] for i in range(n)]
-    accept_tokens(spread, first)
-    for matcher, token in zip(alone, first, strict=True):
-        matcher.accept(token)
-    got, want = new_bitmask(n + 2, V), new_bitmask(n + 2, V)
-    fill_bitmask(spread, got)
-    for i, matcher in enumerate(alone):
+    matchers = [compiler.matcher(specs[i % 4]) for i in range(6)]
+    for i, matcher in enumerate(matchers):
+        matcher.accept(tok.encode(texts[i % 4], add_special_tokens=False)[0])
+    want = new_bitmask(6, V)
+    for i, matcher in enumerate(matchers):
         matcher.fill(want, i)
-    assert torch.equal(got, want) and not torch.equal(got[0], got[1])
-    assert (got[n:] == -1).all()  # rows past the matchers are left as they were
-    reused = torch.randint(-(2**31), 2**31, got.shape, dtype=torch.int64).to(torch.int32)  # a buffer's old rows
-    fill_bitmask(spread, reused)
-    assert torch.equal(reused[:n], want[:n])
-    off = list(first)
-    off[n - 1] = tok.encode("x", add_special_tokens=False)[0]  # a choice of "yes" or "no" after "y": off it
-    with pytest.raises(RuntimeError, match="does not follow the grammar"):
-        accept_tokens(spread, off)
+    assert not torch.equal(want[0], want[1])
+    got = torch.randint(-(2**31), 2**31, (8, want.shape[1]), dtype=torch.int64).to(torch.int32)  # a buffer's old rows
+    old = got.clone()
+    fill_bitmask(matchers, got)
+    assert torch.equal(got[:6], want) and torch.equal(got[6:], old[6:])

@@ -336,8 +336,6 @@ class LLMEngine:
             return
         self.abort_request(list(self.requests))
         self.ranks.stop(self.runner)
-        if self.grammars is not None:
-            self.grammars.threads.shutdown()
         self.in_flight.clear()
         self.runner = None
         gc.collect()

@@ -25,7 +25,6 @@ from weft.inference.block_manager import BlockManager
 from weft.inference.detokenizer import first_stop
 from weft.inference.outputs import Logprob
 from weft.inference.sequence import Sequence, Status
-from weft.inference.structured import accept_tokens
 
 
 @dataclass
@@ -152,11 +151,10 @@ class Scheduler(ABC):
             seq.num_pending -= 1
         landing = [row for row in zip(step.sampled, step.tokens, step.logprobs, strict=True)
                    if row[0].status is not Status.FINISHED]
-        grammars = [(seq.matcher, token) for seq, token, _ in landing if seq.matcher is not None]
-        if grammars:  # their grammars advance first, all at once
-            accept_tokens([matcher for matcher, _ in grammars], [token for _, token in grammars])
         took = []
         for seq, token, entry in landing:
+            if seq.matcher is not None:
+                seq.matcher.accept(token)
             seq.token_ids.append(token)
             if entry is not None:
                 seq.logprobs.append(entry)

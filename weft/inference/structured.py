@@ -2,22 +2,20 @@
 generated token, through xgrammar.
 
 Per engine, a `GrammarCompiler` (from the tokenizer) compiles each request's `StructuredOutputsParams`
-once; per request, a `Matcher` follows the tokens generated so far. Each step, every constrained
-request's matcher fills its row of an int32 bitmask [R, ceil(V / 32)] on the CPU (bit j of word w
-allows token 32 w + j), the bitmask moves to the logits' device, and `allowed_tokens` unpacks it into the
-rows of allowed tokens the sampler applies. A step's matchers fill their rows in one call into xgrammar, on its
-threads (`fill_bitmask`), and accept their tokens on the compiler's (`accept_tokens`: xgrammar releases the
-interpreter lock while it accepts one). xgrammar is imported at first use: `import weft` stays light.
+once; per request, a `Matcher` follows the tokens generated so far and holds the tokens it allows next, as an int32
+bitmask row [1, ceil(V / 32)] on the CPU (bit j of word w allows token 32 w + j), refilled as it accepts a token.
+The scheduler advances a step's matchers one after another: on an H100's host with 16 cores, e14's 64 JSON requests
+took 0.3 ms a step so, and 1.3-2.3 ms spread over 4 to 16 threads. The sampler gathers the step's rows into one
+bitmask (`fill_bitmask`), moves it to the logits' device, and `allowed_tokens` unpacks it into the rows of allowed
+tokens it applies. xgrammar is imported at first use: `import weft` stays light.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -33,8 +31,6 @@ PARAM = "structured_outputs"
 _FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 # xgrammar's errors open with "[hh:mm:ss] /project/cpp/file.cc:line: ", which says nothing to the user
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-THREADS = min(8, os.cpu_count() or 1)  # a compiler's threads for its matchers' accepts
-SPREAD_FROM = 16  # matchers from which a step's accepts are spread over them (fewer: one thread costs less)
 
 
 @dataclass(frozen=True)
@@ -117,7 +113,9 @@ class GrammarCompiler:
     """Compiles StructuredOutputsParams for one tokenizer; built once per engine.
 
     `vocab_size` is the logits' width V (it may exceed len(tokenizer): the ids past the tokenizer are never
-    allowed). `stop_token_ids` are the tokens a complete output may end with (default: the tokenizer's EOS).
+    allowed, and xgrammar never sees them: a model's padded vocabulary, Qwen3-0.6B's 151,936 ids beside SmolLM2's
+    49,152 tokens, made each fill 24x slower). `stop_token_ids` are the tokens a complete output may end with
+    (default: the tokenizer's EOS).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int] | None = None,
@@ -125,7 +123,7 @@ class GrammarCompiler:
         import xgrammar
 
         stops = sorted(stop_token_ids) if stop_token_ids is not None else None
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=stops)
         # the LRU below is the one cache: xgrammar's own would keep every grammar ever compiled
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
         self.vocab_size = vocab_size
@@ -133,9 +131,8 @@ class GrammarCompiler:
         self._stop_row = new_bitmask(1, vocab_size)[0].zero_()
         for token in self.stop_token_ids:
             self._stop_row[token // 32] |= _bit(token % 32)
+        self.words = cdiv(len(tokenizer), 32)  # the words of a bitmask row that xgrammar fills; the rest stay 0
         self._cached = functools.lru_cache(maxsize=cache_size)(self._build)
-        self.batch = xgrammar.BatchGrammarMatcher()  # fills many matchers' rows at once, on its own threads
-        self.threads = ThreadPoolExecutor(THREADS, thread_name_prefix="weft-grammar")
 
     def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar (cached by spec.key()); an invalid one is a ParamValueError saying why."""
@@ -143,7 +140,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputsParams) -> Matcher:
         """A matcher at the start of spec's grammar."""
-        return Matcher(self.compile(spec), self._stop_row, self.batch, self.threads)
+        return Matcher(self.compile(spec), self._stop_row, self.words)
 
     def _build(self, key: tuple) -> xgrammar.CompiledGrammar:
         field, value = key
@@ -167,62 +164,42 @@ class GrammarCompiler:
 
 
 class Matcher:
-    """One request's position in its grammar: fill() the next step's allowed tokens, accept() the sampled one."""
+    """One request's position in its grammar and the tokens it allows next: accept() the sampled token, fill() a
+    bitmask's row with what may follow."""
 
-    def __init__(self, grammar: xgrammar.CompiledGrammar, stop_row: torch.Tensor,
-                 batch: xgrammar.BatchGrammarMatcher, threads: ThreadPoolExecutor) -> None:
+    def __init__(self, grammar: xgrammar.CompiledGrammar, stop_row: torch.Tensor, words: int) -> None:
         import xgrammar
 
         self._matcher = xgrammar.GrammarMatcher(grammar)
         self._stop_row = stop_row  # int32 [ceil(V / 32)]: the stop tokens' bits only
-        self.batch, self.threads = batch, threads  # its compiler's
-        self._scratch = torch.empty(1, stop_row.numel(), dtype=torch.int32)
+        self.next = torch.zeros(1, stop_row.numel(), dtype=torch.int32)  # the tokens allowed next
+        self._filled = self.next[:, :words]  # the tokenizer's words, which xgrammar fills
+        self.terminated = False  # nothing but a stop token can follow, or a stop token was accepted
+        self._refill()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into bitmask[row] (int32 [R, ceil(V / 32)], on the CPU); once the
         output is complete, the stop tokens are among them. Not to be called once a stop token is accepted."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        bitmask[row] = self.next[0]
 
     def accept(self, token: int) -> None:
-        """Advance by the sampled token; one the mask forbade is a bug (RuntimeError)."""
+        """Advance by the sampled token, and find what may follow; one the mask forbade is a bug (RuntimeError)."""
         if not self._matcher.accept_token(token):
             raise RuntimeError(f"token {token} does not follow the grammar here: was it sampled without the mask?")
+        self._refill()
 
-    @property
-    def terminated(self) -> bool:
-        """The output is complete and nothing but a stop token can follow (or a stop token was accepted):
-        the request can finish here. Costs one extra fill where the output is complete, none elsewhere."""
-        if self._matcher.is_terminated():
-            return True
-        if not self._matcher.is_completed():
-            return False
-        self._matcher.fill_next_token_bitmask(self._scratch, 0)
-        return torch.equal(self._scratch[0], self._stop_row)
+    def _refill(self) -> None:
+        if self._matcher.is_terminated():  # a stop token was accepted: xgrammar fills no row past it
+            self.terminated = True
+            return
+        self._matcher.fill_next_token_bitmask(self._filled, 0)
+        self.terminated = self._matcher.is_completed() and torch.equal(self.next[0], self._stop_row)
 
 
 def fill_bitmask(matchers: list[Matcher], bitmask: torch.Tensor) -> None:
     """Row i of bitmask (int32 [R >= len(matchers), ceil(V / 32)], on the CPU) <- the tokens matchers[i] allows
-    next (as Matcher.fill), in one call (the matchers share their compiler's batch matcher)."""
-    matchers[0].batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask)
-
-
-def accept_tokens(matchers: list[Matcher], tokens: list[int]) -> None:
-    """Advance matchers[i] by tokens[i] (as Matcher.accept); from SPREAD_FROM matchers on, in slices on their
-    threads. (xgrammar's batch call accepts one after another: measured on the H200's host, 64 matchers of e14's
-    JSON schema took 3.3 ms either way, where a fill of them all took 4.7 ms alone and 1.2 ms in the batch call.)"""
-    n = len(matchers)
-    if n < SPREAD_FROM:
-        for matcher, token in zip(matchers, tokens, strict=True):
-            matcher.accept(token)
-        return
-    bounds = [n * k // THREADS for k in range(THREADS + 1)]
-
-    def accept(k: int) -> None:
-        for i in range(bounds[k], bounds[k + 1]):
-            matchers[i].accept(tokens[i])
-
-    for _ in matchers[0].threads.map(accept, range(THREADS)):
-        pass  # a slice's exception is raised here
+    next (as Matcher.fill), in one copy."""
+    torch.cat([m.next for m in matchers], out=bitmask[: len(matchers)])
 
 
 def _bit(j: int) -> int:
