@@ -28,7 +28,7 @@ class SamplingState:
         self.row_of: dict[Sequence, int] = {}  # requests with a penalty -> their row of counts
         self.counts: torch.Tensor | None = None  # [capacity, V] int32: each token's count in the output
         self.in_prompt: torch.Tensor | None = None  # [capacity, V] bool
-        self.bitmask: torch.Tensor | None = None  # [capacity, ceil(V / 32)] int32, pinned on CUDA: grammars' masks
+        self.bitmask: torch.Tensor | None = None  # [capacity, W] int32, pinned on CUDA: grammars' masks
 
     def settings(self, seqs: list[Sequence]) -> SamplingTensors | None:
         """The sampled rows' settings as tensors (None when every row is greedy)."""
@@ -93,13 +93,16 @@ class SamplingState:
         bias, presence, frequency, repetition = device_rows(
             [bias, [p.presence_penalty for p in pen], [p.frequency_penalty for p in pen],
              [p.repetition_penalty for p in pen]], torch.float32, self.device)  # fmt: skip
-        allowed = torch.zeros(len(allowed_rows), self.V, dtype=torch.bool, device=self.device)
-        allowed[listed:].fill_(True)
-        # index_fill_ takes its value as a kernel argument: `allowed[rows, ids] = True` would copy a CPU scalar over
-        # and wait for the device, every step
-        allowed.view(-1).index_fill_(0, flat, True)
-        if grammar_rows:
-            allowed[grammar] &= self._grammar_masks([s for _, s in grammar_rows])
+        if grammar_rows and not listed:  # grammars alone, the usual case: their masks are the allowed rows, in order
+            allowed = self._grammar_masks([s for _, s in grammar_rows])
+        else:
+            allowed = torch.zeros(len(allowed_rows), self.V, dtype=torch.bool, device=self.device)
+            allowed[listed:].fill_(True)
+            # index_fill_ takes its value as a kernel argument: `allowed[rows, ids] = True` would copy a CPU scalar
+            # over and wait for the device, every step
+            allowed.view(-1).index_fill_(0, flat, True)
+            if grammar_rows:
+                allowed[grammar] &= self._grammar_masks([s for _, s in grammar_rows])
         none = torch.zeros(0, self.V, dtype=torch.int32, device=self.device)
         return LogitRules(
             allowed_rows=rows[: len(allowed_rows)], allowed=allowed, bias_rows=rows[len(allowed_rows) :],
@@ -152,12 +155,13 @@ class SamplingState:
         reused: a grammar's rules are built once every step before has landed, so no copy still reads it."""
         from weft.inference.structured import allowed_tokens, fill_bitmask, new_bitmask
 
-        if self.bitmask is None:
-            self.bitmask = new_bitmask(self.capacity, self.V)
+        matchers = [seq.matcher for seq in seqs]
+        if self.bitmask is None:  # one tokenizer serves every grammar: its width is the bitmask's
+            self.bitmask = new_bitmask(self.capacity, matchers[0].tokens)
             if self.device.type == "cuda":  # a pageable copy may wait on the device
                 self.bitmask = self.bitmask.pin_memory()
         bitmask = self.bitmask[: len(seqs)]  # every row of it is written
-        fill_bitmask([seq.matcher for seq in seqs], bitmask)
+        fill_bitmask(matchers, bitmask)
         return allowed_tokens(bitmask.to(self.device, non_blocking=True), self.V)
 
     def _ints(self, values) -> torch.Tensor:
@@ -173,6 +177,8 @@ def device_rows(rows: list[list], dtype: torch.dtype, device: torch.device) -> l
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + -(-n // per) * per)
+    if not starts[-1]:  # nothing to copy (a step without biases or penalties)
+        return [torch.empty(0, dtype=dtype, device=device) for _ in rows]
     flat = [0] * starts[-1]
     for row, start in zip(rows, starts, strict=False):
         flat[start : start + len(row)] = row
