@@ -112,10 +112,8 @@ def test_allowed_tokens_are_exactly_the_set_bits(dtype, device):
     assert torch.equal(got.cpu(), expected)
     assert torch.isinf(expected).sum() > R * V // 4  # the random rows do mask
     assert torch.equal(new_bitmask(2, V), torch.full((2, 3), -1, dtype=torch.int32))
-    narrow = allowed_tokens(bitmask[:, :2].contiguous().to(device), V).cpu()  # a tokenizer's 64 ids of V = 77
-    assert torch.equal(narrow[:, :64], allowed_tokens(bitmask, V)[:, :64]) and not narrow[:, 64:].any()
-    with pytest.raises(ValueError, match=r"bitmask must be int32 \[R, W <= 3\] for V = 77"):
-        allowed_tokens(torch.zeros(5, 4, dtype=torch.int32), V)
+    with pytest.raises(ValueError, match=r"bitmask must be int32 \[5, 3\] for V = 77"):
+        allowed_tokens(bitmask[:, :2], V)
 
 
 @torch.inference_mode()
@@ -193,18 +191,19 @@ def test_a_complete_output_allows_only_the_stop_tokens(smollm2, compiler):
 
 @needs_smollm2
 def test_ids_past_the_tokenizer_are_never_allowed(smollm2):
-    """A vocabulary wider than the tokenizer: xgrammar's rows cover the tokenizer's ids only, and allow the tokens
-    xgrammar allows over the whole width."""
+    """A vocabulary wider than the tokenizer: xgrammar fills the tokenizer's words only, and the rows allow the
+    tokens xgrammar allows over the whole width."""
     import xgrammar
 
     tok = smollm2.source.tokenizer
     V = len(tok) + 40
     wider = GrammarCompiler(tok, V)
+    spec = StructuredOutputsParams(json_object=True)
     info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=V, stop_token_ids=list(wider.stop_token_ids))
     whole = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_json_schema('{"type": "object"}',
                                                                                       any_whitespace=False))
-    matcher = wider.matcher(StructuredOutputsParams(json_object=True))
-    bitmask, want = new_bitmask(1, len(tok)), new_bitmask(1, V)
+    matcher = wider.matcher(spec)
+    bitmask, want = new_bitmask(1, V), new_bitmask(1, V)
     for token in tok.encode('{"a": "b', add_special_tokens=False) + [None]:
         matcher.fill(bitmask, 0)
         whole.fill_next_token_bitmask(want, 0)
@@ -253,8 +252,8 @@ def test_a_tokenizer_that_cannot_serve_the_model_is_refused(tokenizer, error, me
 
 @needs_smollm2
 def test_a_steps_bitmask_gathers_its_matchers_rows(compiler, smollm2):
-    """fill_bitmask (one call into xgrammar) takes a step's matchers together: the rows each one fills alone,
-    whatever the buffer held, and rows past the matchers are left as they were."""
+    """fill_bitmask takes a step's matchers together: the rows each one fills alone, whatever the buffer held, and
+    rows past the matchers are left as they were."""
     from weft.inference.structured import fill_bitmask
 
     tok, V = smollm2.source.tokenizer, smollm2.source.config.V

@@ -28,7 +28,7 @@ class SamplingState:
         self.row_of: dict[Sequence, int] = {}  # requests with a penalty -> their row of counts
         self.counts: torch.Tensor | None = None  # [capacity, V] int32: each token's count in the output
         self.in_prompt: torch.Tensor | None = None  # [capacity, V] bool
-        self.bitmask: torch.Tensor | None = None  # [capacity, W] int32, pinned on CUDA: grammars' masks
+        self.bitmask: torch.Tensor | None = None  # [capacity, ceil(V / 32)] int32, pinned on CUDA: grammars' masks
 
     def settings(self, seqs: list[Sequence]) -> SamplingTensors | None:
         """The sampled rows' settings as tensors (None when every row is greedy)."""
@@ -155,13 +155,12 @@ class SamplingState:
         reused: a grammar's rules are built once every step before has landed, so no copy still reads it."""
         from weft.inference.structured import allowed_tokens, fill_bitmask, new_bitmask
 
-        matchers = [seq.matcher for seq in seqs]
-        if self.bitmask is None:  # one tokenizer serves every grammar: its width is the bitmask's
-            self.bitmask = new_bitmask(self.capacity, matchers[0].tokens)
+        if self.bitmask is None:
+            self.bitmask = new_bitmask(self.capacity, self.V)
             if self.device.type == "cuda":  # a pageable copy may wait on the device
                 self.bitmask = self.bitmask.pin_memory()
         bitmask = self.bitmask[: len(seqs)]  # every row of it is written
-        fill_bitmask(matchers, bitmask)
+        fill_bitmask([seq.matcher for seq in seqs], bitmask)
         return allowed_tokens(bitmask.to(self.device, non_blocking=True), self.V)
 
     def _ints(self, values) -> torch.Tensor:
