@@ -4,10 +4,10 @@ generated token, through xgrammar.
 Per engine, a `GrammarCompiler` (from the tokenizer) compiles each request's `StructuredOutputsParams`
 once; per request, a `Matcher` follows the tokens generated so far and holds the tokens it allows next, as an int32
 bitmask row [1, ceil(V / 32)] on the CPU (bit j of word w allows token 32 w + j), refilled as it accepts a token.
-The scheduler advances a step's matchers one after another: on an H100's host with 16 cores, e14's 64 JSON requests
-took 0.3 ms a step so, and 1.3-2.3 ms spread over 4 to 16 threads. The sampler gathers the step's rows into one
-bitmask (`fill_bitmask`), moves it to the logits' device, and `allowed_tokens` unpacks it into the rows of allowed
-tokens it applies. xgrammar is imported at first use: `import weft` stays light.
+The scheduler advances a step's matchers one after another (spread over threads, or filled in xgrammar's batch
+call, they took longer: results/logs/h100_json_step*.log). The sampler gathers the step's rows into one bitmask
+(`fill_bitmask`), moves it to the logits' device, and `allowed_tokens` unpacks it into the rows of allowed tokens it
+applies. xgrammar is imported at first use: `import weft` stays light.
 """
 
 from __future__ import annotations
