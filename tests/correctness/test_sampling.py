@@ -17,6 +17,7 @@ from weft.inference.outputs import RequestMetrics
 from weft.inference.sampling import SamplingState
 from weft.inference.sequence import Sequence
 from weft.inference.structured import StructuredOutputsParams
+from weft.layers.bitmask import token_bitmask
 from weft.layers.sampler import LogitRules, adjust, sample
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
@@ -41,8 +42,7 @@ def test_adjust_applies_allowed_bias_and_penalties_as_defined():
     counts = torch.randint(0, 3, (2, V), generator=g, dtype=torch.int32)
     in_prompt = torch.rand(2, V, generator=g) < 0.3
     rules = LogitRules(
-        allowed_rows=torch.tensor([0]), allowed=torch.zeros(1, V, dtype=torch.bool).index_fill_(1, torch.tensor([3, 9]),
-                                                                                                   True),
+        allowed_rows=torch.tensor([0]), allowed=token_bitmask([3, 9], V),
         bias_rows=torch.tensor([1, 1, 3]), bias_tokens=torch.tensor([5, 6, 5]),
         bias=torch.tensor([2.5, float("-inf"), -1.0]),
         penalty_rows=torch.tensor([2, 3]), count_rows=torch.tensor([0, 1]), counts=counts, in_prompt=in_prompt,

@@ -11,7 +11,8 @@ import torch
 
 from weft.errors import ParamTypeError, ParamValueError
 from weft.inference.chat import chat_prompt
-from weft.inference.structured import GrammarCompiler, StructuredOutputsParams, allowed_tokens, new_bitmask
+from weft.inference.structured import GrammarCompiler, StructuredOutputsParams
+from weft.layers.bitmask import allowed_tokens, new_bitmask, token_bitmask
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
 pytestmark = pytest.mark.correctness
@@ -96,7 +97,7 @@ def test_an_invalid_grammar_is_refused_at_compile_saying_why(compiler, kwargs, m
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_allowed_tokens_are_exactly_the_set_bits(dtype, device):
+def test_a_bitmask_allows_exactly_its_set_bits(dtype, device):
     gen = torch.Generator().manual_seed(0)
     R, V = 5, 77  # 3 words, the last one partly past V
     bitmask = torch.randint(-(2**31), 2**31, (R, 3), dtype=torch.int64, generator=gen).to(torch.int32)
@@ -112,6 +113,8 @@ def test_allowed_tokens_are_exactly_the_set_bits(dtype, device):
     assert torch.equal(got.cpu(), expected)
     assert torch.isinf(expected).sum() > R * V // 4  # the random rows do mask
     assert torch.equal(new_bitmask(2, V), torch.full((2, 3), -1, dtype=torch.int32))
+    listed = [0, 5, 31, 32, 63, 76]
+    assert allowed_tokens(token_bitmask(listed, V), V)[0].nonzero().flatten().tolist() == listed
     with pytest.raises(ValueError, match=r"bitmask must be int32 \[5, 3\] for V = 77"):
         allowed_tokens(bitmask[:, :2], V)
 
@@ -121,14 +124,12 @@ def greedy(smollm2, compiler: GrammarCompiler, spec: StructuredOutputsParams, re
     """SmolLM2's greedy answer to `request` under `spec`'s mask, until it picks EOS (at most `cap` tokens)."""
     source, model = smollm2.source, smollm2.hf_model
     matcher = compiler.matcher(spec)
-    bitmask = new_bitmask(1, source.config.V)
     ids = chat_prompt(source.tokenizer, [{"role": "user", "content": request}], source.name)
     cache, tokens = None, []
     for _ in range(cap):
         out = model(input_ids=torch.tensor([ids], device=model.device), cache=cache, use_cache=True)
         cache, logits = out.cache, out.logits[:, -1].float()
-        matcher.fill(bitmask, 0)
-        logits.masked_fill_(~allowed_tokens(bitmask.to(logits.device), source.config.V), float("-inf"))
+        logits.masked_fill_(~allowed_tokens(matcher.next.to(logits.device), source.config.V), float("-inf"))
         token = int(logits.argmax(-1))
         matcher.accept(token)
         if token in source.eos_token_ids:
@@ -182,9 +183,7 @@ def test_a_complete_output_allows_only_the_stop_tokens(smollm2, compiler):
     assert not digits.terminated  # complete, but a second digit may follow
     digits.accept(tok.convert_tokens_to_ids("3"))
     assert digits.terminated
-    bitmask = new_bitmask(1, V)
-    digits.fill(bitmask, 0)
-    assert set(allowed_tokens(bitmask, V)[0].nonzero().flatten().tolist()) == set(smollm2.source.eos_token_ids)
+    assert set(allowed_tokens(digits.next, V)[0].nonzero().flatten().tolist()) == set(smollm2.source.eos_token_ids)
     with pytest.raises(RuntimeError, match="does not follow the grammar"):
         digits.accept(tok.convert_tokens_to_ids("5"))
 
@@ -203,11 +202,10 @@ def test_ids_past_the_tokenizer_are_never_allowed(smollm2):
     whole = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_json_schema('{"type": "object"}',
                                                                                       any_whitespace=False))
     matcher = wider.matcher(spec)
-    bitmask, want = new_bitmask(1, V), new_bitmask(1, V)
+    want = new_bitmask(1, V)
     for token in tok.encode('{"a": "b', add_special_tokens=False) + [None]:
-        matcher.fill(bitmask, 0)
         whole.fill_next_token_bitmask(want, 0)
-        allowed = allowed_tokens(bitmask, V)[0]
+        allowed = allowed_tokens(matcher.next, V)[0]
         assert torch.equal(allowed, allowed_tokens(want, V)[0])
         assert not allowed[len(tok):].any() and allowed[: len(tok)].any()
         if token is not None:
@@ -251,23 +249,26 @@ def test_a_tokenizer_that_cannot_serve_the_model_is_refused(tokenizer, error, me
 
 
 @needs_smollm2
-def test_a_steps_bitmask_gathers_its_matchers_rows(compiler, smollm2):
-    """fill_bitmask takes a step's matchers together: the rows each one fills alone, whatever the buffer held, and
-    rows past the matchers are left as they were."""
-    from weft.inference.structured import fill_bitmask
+def test_a_steps_allowed_rows_are_its_grammars_its_lists_and_both(compiler, smollm2):
+    """SamplingState.rules: a row under a grammar allows what its matcher allows, under allowed_token_ids those
+    tokens, under both the tokens in both; rows with neither are not among the allowed rows."""
+    from weft.inference.outputs import RequestMetrics
+    from weft.inference.params import SamplingParams
+    from weft.inference.sampling import SamplingState
+    from weft.inference.sequence import Sequence
 
     tok, V = smollm2.source.tokenizer, smollm2.source.config.V
-    specs = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(regex=r"\d{3}-\d{4}"),
-             StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(json_object=True)]
-    texts = ['{"name": "Al', "55", "y", '{"a"']
-    matchers = [compiler.matcher(specs[i % 4]) for i in range(6)]
-    for i, matcher in enumerate(matchers):
-        matcher.accept(tok.encode(texts[i % 4], add_special_tokens=False)[0])
-    want = new_bitmask(6, V)
-    for i, matcher in enumerate(matchers):
-        matcher.fill(want, i)
-    assert not torch.equal(want[0], want[1])
-    got = torch.randint(-(2**31), 2**31, (8, want.shape[1]), dtype=torch.int64).to(torch.int32)  # a buffer's old rows
-    old = got.clone()
-    fill_bitmask(matchers, got)
-    assert torch.equal(got[:6], want) and torch.equal(got[6:], old[6:])
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    listed = tuple(tok.encode("yes", add_special_tokens=False) + tok.encode("maybe", add_special_tokens=False))
+    params = [SamplingParams(structured_outputs=spec), SamplingParams(allowed_token_ids=listed), SamplingParams(),
+              SamplingParams(structured_outputs=spec, allowed_token_ids=listed)]
+    seqs = [Sequence(i, [1, 2], 2, p, 16, RequestMetrics(0.0)) for i, p in enumerate(params)]
+    for seq in seqs:
+        if seq.params.structured_outputs is not None:
+            seq.matcher = compiler.matcher(spec)
+    rules = SamplingState(V, torch.device("cpu"), 8, frozenset(smollm2.source.eos_token_ids)).rules(seqs)
+    assert rules.allowed_rows.tolist() == [0, 1, 3]
+    grammar = set(allowed_tokens(seqs[0].matcher.next, V)[0].nonzero().flatten().tolist())
+    got = [set(row.nonzero().flatten().tolist()) for row in allowed_tokens(rules.allowed, V)]
+    assert got == [grammar, set(listed), grammar & set(listed)]
+    assert len(grammar) > 1 and got[2] == set(tok.encode("yes", add_special_tokens=False)[:1])

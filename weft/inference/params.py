@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
+from functools import cached_property
 
 from weft.errors import ParamTypeError, ParamValueError
 from weft.inference.structured import StructuredOutputsParams
@@ -131,16 +132,16 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ParamTypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}", "output_kind")
 
-    @property
+    @cached_property  # read for every request every step; the fields never change
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
+    @cached_property
     def penalized(self) -> bool:
         """Whether any of the three penalties is on (each needs the request's token counts)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    @property
+    @cached_property
     def plain(self) -> bool:
         """Whether no rule changes its logits before sampling (no penalty, bias, allowed set, ban or grammar)."""
         return (not self.penalized and not self.logit_bias and self.allowed_token_ids is None and not self.bad_words

@@ -10,10 +10,14 @@ lands the steps before its step once that step's forward pass is queued, before 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from weft.inference.sequence import Sequence, Status
+from weft.layers.bitmask import token_bitmask
 from weft.layers.sampler import MASK32, LogitRules, SamplingTensors
+from weft.utils import cdiv
 
 ALIGN = 16  # bytes: where each of a step's settings starts on the device
 
@@ -28,7 +32,9 @@ class SamplingState:
         self.row_of: dict[Sequence, int] = {}  # requests with a penalty -> their row of counts
         self.counts: torch.Tensor | None = None  # [capacity, V] int32: each token's count in the output
         self.in_prompt: torch.Tensor | None = None  # [capacity, V] bool
-        self.bitmask: torch.Tensor | None = None  # [capacity, ceil(V / 32)] int32, pinned on CUDA: grammars' masks
+        self._words = cdiv(V, 32)
+        # allowed_token_ids as a bitmask row: a request's list is the same every step
+        self._listed = functools.lru_cache(maxsize=256)(lambda ids: token_bitmask(ids, V))
 
     def settings(self, seqs: list[Sequence]) -> SamplingTensors | None:
         """The sampled rows' settings as tensors (None when every row is greedy)."""
@@ -52,20 +58,19 @@ class SamplingState:
         )  # fmt: skip
 
     def rules(self, seqs: list[Sequence]) -> LogitRules | None:
-        """The logit rules of the sampled rows `seqs` (None when no row has a rule). A grammar's mask is filled
-        here, while the device runs the forward pass."""
+        """The logit rules of the sampled rows `seqs` (None when no row has a rule), built while the device runs the
+        forward pass (a grammar's mask is its matcher's row, refilled as the steps before landed)."""
         ruled = [(i, s) for i, s in enumerate(seqs) if not s.params.plain and s.status is not Status.FINISHED]
         if not ruled:
             return None
-        allowed_rows, allowed_at, allowed_ids = [], [], []
+        allowed_rows, allowed = [], []
         bias_rows, bias_tokens, bias = [], [], []
-        penalized, grammar_rows = [], []
+        penalized = []
         for i, s in ruled:
             p = s.params
-            if p.allowed_token_ids is not None:
-                allowed_at += [len(allowed_rows)] * len(p.allowed_token_ids)
-                allowed_ids += p.allowed_token_ids
+            if p.allowed_token_ids is not None or s.matcher is not None:
                 allowed_rows.append(i)
+                allowed.append(self._allowed(s))
             if p.logit_bias:
                 bias_rows += [i] * len(p.logit_bias)
                 bias_tokens += p.logit_bias.keys()
@@ -76,38 +81,19 @@ class SamplingState:
             bias += [float("-inf")] * len(banned)
             if p.penalized:
                 penalized.append((i, s))
-            if s.matcher is not None:
-                grammar_rows.append((i, s))
-        # one row of allowed tokens per request that has some: its allowed_token_ids, its grammar's, or the tokens
-        # in both (a logits row may appear once in allowed_rows: adjust writes each row of it back once); a grammar's
-        # request without allowed_token_ids gets a row of every token, for its mask to clear
-        listed = len(allowed_rows)
-        at = {row: n for n, row in enumerate(allowed_rows)}
-        allowed_rows += [i for i, _ in grammar_rows if i not in at]
-        at.update((row, n) for n, row in enumerate(allowed_rows))
-        flat, grammar, rows, tokens, penalty_rows, count_rows = device_rows(
-            [[r * self.V + t for r, t in zip(allowed_at, allowed_ids, strict=True)], [at[i] for i, _ in grammar_rows],
-             allowed_rows + bias_rows, bias_tokens, [i for i, _ in penalized], self._rows([s for _, s in penalized])],
-            torch.int64, self.device)  # fmt: skip
+        rows, tokens, penalty_rows, count_rows = device_rows(
+            [allowed_rows + bias_rows, bias_tokens, [i for i, _ in penalized],
+             self._rows([s for _, s in penalized])], torch.int64, self.device)  # fmt: skip
         pen = [s.params for _, s in penalized]
         bias, presence, frequency, repetition = device_rows(
             [bias, [p.presence_penalty for p in pen], [p.frequency_penalty for p in pen],
              [p.repetition_penalty for p in pen]], torch.float32, self.device)  # fmt: skip
-        if grammar_rows and not listed:  # grammars alone, the usual case: their masks are the allowed rows, in order
-            allowed = self._grammar_masks([s for _, s in grammar_rows])
-        else:
-            allowed = torch.zeros(len(allowed_rows), self.V, dtype=torch.bool, device=self.device)
-            allowed[listed:].fill_(True)
-            # index_fill_ takes its value as a kernel argument: `allowed[rows, ids] = True` would copy a CPU scalar
-            # over and wait for the device, every step
-            allowed.view(-1).index_fill_(0, flat, True)
-            if grammar_rows:
-                allowed[grammar] &= self._grammar_masks([s for _, s in grammar_rows])
         none = torch.zeros(0, self.V, dtype=torch.int32, device=self.device)
         return LogitRules(
-            allowed_rows=rows[: len(allowed_rows)], allowed=allowed, bias_rows=rows[len(allowed_rows) :],
-            bias_tokens=tokens, bias=bias, penalty_rows=penalty_rows, count_rows=count_rows,
-            counts=self.counts if pen else none, in_prompt=self.in_prompt if pen else none.bool(),
+            allowed_rows=rows[: len(allowed_rows)], allowed=self._bitmask(allowed),
+            bias_rows=rows[len(allowed_rows) :], bias_tokens=tokens, bias=bias, penalty_rows=penalty_rows,
+            count_rows=count_rows, counts=self.counts if pen else none,
+            in_prompt=self.in_prompt if pen else none.bool(),
             presence=presence, frequency=frequency, repetition=repetition,
         )  # fmt: skip
 
@@ -149,19 +135,23 @@ class SamplingState:
                 return self.row_of.pop(seq)
         raise RuntimeError("more requests with a penalty than rows of counts: this is a weft bug, please report it")
 
-    def _grammar_masks(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The tokens each request's grammar allows next [S, V] bool on the device: the matchers' bitmasks, filled on
-        the host into rows of `bitmask` and unpacked on the device (bit j of word w: token 32 w + j). The buffer is
-        reused: a grammar's rules are built once every step before has landed, so no copy still reads it."""
-        from weft.inference.structured import allowed_tokens, fill_bitmask, new_bitmask
+    def _allowed(self, seq: Sequence) -> torch.Tensor:
+        """The tokens `seq` may sample next, int32 [1, ceil(V / 32)] on the host: its grammar's, its
+        allowed_token_ids, or the tokens in both."""
+        listed = seq.params.allowed_token_ids
+        if seq.matcher is None:
+            return self._listed(listed)
+        return seq.matcher.next if listed is None else seq.matcher.next & self._listed(listed)
 
-        if self.bitmask is None:
-            self.bitmask = new_bitmask(self.capacity, self.V)
-            if self.device.type == "cuda":  # a pageable copy may wait on the device
-                self.bitmask = self.bitmask.pin_memory()
-        bitmask = self.bitmask[: len(seqs)]  # every row of it is written
-        fill_bitmask([seq.matcher for seq in seqs], bitmask)
-        return allowed_tokens(bitmask.to(self.device, non_blocking=True), self.V)
+    def _bitmask(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """Host bitmask rows [1, W] each -> int32 [len(rows), W] on the device, in one copy (from pinned memory on
+        CUDA: a pageable copy may wait on the device; the allocator keeps the buffer until the copy has run)."""
+        W = self._words
+        if not rows:
+            return torch.empty(0, W, dtype=torch.int32, device=self.device)
+        host = torch.empty(len(rows), W, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        torch.cat(rows, out=host)
+        return host.to(self.device, non_blocking=True)
 
     def _ints(self, values) -> torch.Tensor:
         return device_tensor(values, torch.int64, self.device)

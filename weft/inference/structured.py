@@ -5,9 +5,9 @@ Per engine, a `GrammarCompiler` (from the tokenizer) compiles each request's `St
 once; per request, a `Matcher` follows the tokens generated so far and holds the tokens it allows next, as an int32
 bitmask row [1, ceil(V / 32)] on the CPU (bit j of word w allows token 32 w + j), refilled as it accepts a token.
 The scheduler advances a step's matchers one after another (spread over threads, or filled in xgrammar's batch
-call, they took longer: results/logs/h100_json_step*.log). The sampler gathers the step's rows into one bitmask
-(`fill_bitmask`), moves it to the logits' device, and `allowed_tokens` unpacks it into the rows of allowed tokens it
-applies. xgrammar is imported at first use: `import weft` stays light.
+call, they took longer: results/logs/h100_json_step*.log). The step's sampling state copies their rows to the
+logits' device, where the sampler applies them as they are (weft.layers.sampler.ban_unset). xgrammar is imported
+at first use: `import weft` stays light.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from weft.errors import ParamTypeError, ParamValueError
+from weft.layers.bitmask import token_bitmask
 from weft.utils import cdiv
 
 if TYPE_CHECKING:
@@ -128,9 +129,7 @@ class GrammarCompiler:
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
         self.vocab_size = vocab_size
         self.stop_token_ids: tuple[int, ...] = tuple(info.stop_token_ids)
-        self._stop_row = new_bitmask(1, vocab_size)[0].zero_()
-        for token in self.stop_token_ids:
-            self._stop_row[token // 32] |= _bit(token % 32)
+        self._stop_row = token_bitmask(self.stop_token_ids, vocab_size)[0]
         self.words = cdiv(len(tokenizer), 32)  # the words of a bitmask row that xgrammar fills; the rest stay 0
         self._cached = functools.lru_cache(maxsize=cache_size)(self._build)
 
@@ -164,23 +163,19 @@ class GrammarCompiler:
 
 
 class Matcher:
-    """One request's position in its grammar and the tokens it allows next: accept() the sampled token, fill() a
-    bitmask's row with what may follow."""
+    """One request's position in its grammar and the tokens it allows next (`next`): accept() the sampled token."""
 
     def __init__(self, grammar: xgrammar.CompiledGrammar, stop_row: torch.Tensor, words: int) -> None:
         import xgrammar
 
         self._matcher = xgrammar.GrammarMatcher(grammar)
         self._stop_row = stop_row  # int32 [ceil(V / 32)]: the stop tokens' bits only
-        self.next = torch.zeros(1, stop_row.numel(), dtype=torch.int32)  # the tokens allowed next
+        # the tokens allowed next, int32 [1, ceil(V / 32)]; once the output is complete, the stop tokens are among
+        # them; not to be read once a stop token is accepted
+        self.next = torch.zeros(1, stop_row.numel(), dtype=torch.int32)
         self._filled = self.next[:, :words]  # the tokenizer's words, which xgrammar fills
         self.terminated = False  # nothing but a stop token can follow, or a stop token was accepted
         self._refill()
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into bitmask[row] (int32 [R, ceil(V / 32)], on the CPU); once the
-        output is complete, the stop tokens are among them. Not to be called once a stop token is accepted."""
-        bitmask[row] = self.next[0]
 
     def accept(self, token: int) -> None:
         """Advance by the sampled token, and find what may follow; one the mask forbade is a bug (RuntimeError)."""
@@ -194,31 +189,3 @@ class Matcher:
             return
         self._matcher.fill_next_token_bitmask(self._filled, 0)
         self.terminated = self._matcher.is_completed() and torch.equal(self.next[0], self._stop_row)
-
-
-def fill_bitmask(matchers: list[Matcher], bitmask: torch.Tensor) -> None:
-    """Row i of bitmask (int32 [R >= len(matchers), ceil(V / 32)], on the CPU) <- the tokens matchers[i] allows
-    next (as Matcher.fill), in one copy."""
-    torch.cat([m.next for m in matchers], out=bitmask[: len(matchers)])
-
-
-def _bit(j: int) -> int:
-    """Bit j of an int32 word, as a Python int in int32's range (bit 31 is the sign)."""
-    return -(1 << 31) if j == 31 else 1 << j
-
-
-def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """int32 [rows, ceil(V / 32)] on the CPU with every token allowed (an unconstrained row stays so)."""
-    return torch.full((rows, cdiv(vocab_size, 32)), -1, dtype=torch.int32)
-
-
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bitmask int32 [R, ceil(V / 32)] -> the tokens it allows [R, V] bool, on the bitmask's device (bit j of
-    word w allows token 32 w + j)."""
-    rows = bitmask.shape[0]
-    if bitmask.shape != (rows, cdiv(vocab_size, 32)) or bitmask.dtype != torch.int32:
-        raise ValueError(f"bitmask must be int32 [{rows}, {cdiv(vocab_size, 32)}] for V = {vocab_size}, got "
-                         f"{bitmask.dtype} {list(bitmask.shape)}")
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
-    return bits.flatten(1)[:, :vocab_size].bool()

@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from weft.layers.bitmask import allowed_tokens
 from weft.layers.fused import on_kernels
+from weft.utils import cdiv
 
 MASK32 = 0xFFFFFFFF
 HASH_MUL = 0x45D9F3B  # < 2**31: a 32-bit value times it never overflows int64
@@ -43,7 +45,7 @@ class LogitRules:
     """What changes the logits of some of a step's B sampled rows before they are sampled (on their device)."""
 
     allowed_rows: torch.Tensor  # [A] int64: rows that may sample only some tokens
-    allowed: torch.Tensor  # [A, V] bool: those tokens
+    allowed: torch.Tensor  # [A, ceil(V / 32)] int32: those tokens, a bitmask (weft.layers.bitmask)
     bias_rows: torch.Tensor  # [K] int64: (row, token, bias) entries, added to the logits; -inf bans a token
     bias_tokens: torch.Tensor  # [K] int64
     bias: torch.Tensor  # [K] float32
@@ -67,8 +69,12 @@ def adjust(logits: torch.Tensor, rules: LogitRules) -> torch.Tensor:
     multiplied if not), the frequency penalty (times the token's count) and the presence penalty (once)."""
     logits = logits.to(torch.float32, copy=True)  # a copy: the raw logits stay as they are, for logprobs
     if rules.allowed_rows.numel():
-        rows = logits[rules.allowed_rows].masked_fill_(~rules.allowed, float("-inf"))
-        logits[rules.allowed_rows] = rows
+        if on_kernels(logits):
+            ban_unset(logits, rules.allowed_rows, rules.allowed)
+        else:
+            rows = logits[rules.allowed_rows].masked_fill_(~allowed_tokens(rules.allowed, logits.shape[1]),
+                                                            float("-inf"))
+            logits[rules.allowed_rows] = rows
     if rules.bias_rows.numel():
         logits.index_put_((rules.bias_rows, rules.bias_tokens), rules.bias, accumulate=True)
     if rules.penalty_rows.numel():
@@ -83,6 +89,28 @@ def adjust(logits: torch.Tensor, rules: LogitRules) -> torch.Tensor:
             x -= rules.frequency[:, None] * counts + rules.presence[:, None] * (counts > 0)
             logits[rules.penalty_rows] = x
     return logits
+
+
+@triton.jit
+def _ban_unset_kernel(logits_ptr, rows_ptr, bitmask_ptr, V, stride_l, stride_b, BLOCK: tl.constexpr):
+    """-inf into logits row rows[a] at the columns of chunk `chunk` whose bit in bitmask[a] is 0."""
+    a, chunk = tl.program_id(0), tl.program_id(1)
+    col = chunk * BLOCK + tl.arange(0, BLOCK)
+    ok = col < V
+    word = tl.load(bitmask_ptr + a * stride_b + col // 32, mask=ok, other=-1)
+    unset = ((word >> (col % 32)) & 1) == 0  # an arithmetic shift: bit 31 (the sign) reads as 1 too
+    row = tl.load(rows_ptr + a)
+    tl.store(logits_ptr + row * stride_l + col, tl.full((BLOCK,), float("-inf"), tl.float32), mask=ok & unset)
+
+
+def ban_unset(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits [B, V] float32, in place: -inf at the tokens bitmask [A, ceil(V / 32)] int32 leaves unset in rows
+    [A] int64, in one launch that reads the bitmask as it is (no [A, V] mask is built)."""
+    (A, W), (_, V) = bitmask.shape, logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1 and bitmask.stride(1) == 1 and W == cdiv(V, 32)
+    BLOCK = 4096
+    _ban_unset_kernel[(A, triton.cdiv(V, BLOCK))](logits, rows, bitmask, V, logits.stride(0), bitmask.stride(0),
+                                                  BLOCK=BLOCK)
 
 
 @triton.jit
