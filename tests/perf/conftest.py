@@ -92,6 +92,7 @@ class Sizes:
     e15_batches: tuple[int, ...]
     e15_dense_models: tuple[str, ...]  # the families whose batch-1 ITL (e12's request) is compared
     e15_kernel_tokens: tuple[int, ...]  # tokens routed through one MoE layer's expert kernels, each count a case
+    e15_e8_budget: int  # max_num_batched_tokens of the MoE on e8's workload
     e17_models: tuple[str, ...]  # the dense shapes whose decode GEMMs and batch-1 ITL e17 measures
 
 
@@ -151,6 +152,7 @@ CUDA_SIZES = Sizes(
     e15_batches=(1, 16, 64, 256),
     e15_dense_models=("llama-3.1-8b", "qwen3-8b"),
     e15_kernel_tokens=(1, 256),
+    e15_e8_budget=16384,
     e17_models=("qwen3-0.6b", "qwen3-4b", "qwen3-8b"),
 )
 CPU_SIZES = Sizes(
@@ -205,6 +207,7 @@ CPU_SIZES = Sizes(
     e15_batches=(1, 4, 16),  # e2's
     e15_dense_models=("tiny-llama3", "tiny-qwen3"),
     e15_kernel_tokens=(1, 16),
+    e15_e8_budget=64,
     e17_models=("tiny-qwen3",),
 )
 SIZES = CUDA_SIZES if HAS_CUDA else CPU_SIZES

@@ -58,10 +58,11 @@ def test_e15_moe_sweep(run_benchmark, sizes, model_for, device, e15_batch, engin
 def test_e15_moe_standard(run_benchmark, sizes, model_for, engine):
     hf = model_for(sizes.e15_moe_model, sizes.dtype, alone=True)
     workload = workloads.standard(hf.config.vocab_size, sizes.e8_requests, sizes.e8_lengths)
-    # weft's pool at 3/4 of what every request at once would need: beside HF's copy of the weights, the whole need
-    # (26.6 GiB on an H200) does not fit
-    config = (BenchConfig(options=dict(attention=sizes.attention), pool_fraction=0.75) if engine == "weft"
-              else BenchConfig(engine=engine))
+    # beside HF's copy of the weights, weft's pool at 3/4 of what every request at once would need (the whole, 26.6
+    # GiB, does not fit an H200), and its prompts prefilled in chunks of e15_e8_budget tokens (the benchmark's default,
+    # every prompt in one step, would need the activations of 147k tokens)
+    options = dict(attention=sizes.attention, max_num_batched_tokens=sizes.e15_e8_budget)
+    config = BenchConfig(options=options, pool_fraction=0.75) if engine == "weft" else BenchConfig(engine=engine)
     run_benchmark("e15_e8", config, workload, model=sizes.e15_moe_model)
 
 
