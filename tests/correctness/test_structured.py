@@ -12,7 +12,7 @@ import torch
 from weft.errors import ParamTypeError, ParamValueError
 from weft.inference.chat import chat_prompt
 from weft.inference.structured import GrammarCompiler, StructuredOutputsParams
-from weft.layers.bitmask import allowed_tokens, new_bitmask, token_bitmask
+from weft.layers.bitmask import allowed_tokens, token_bitmask
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
 pytestmark = pytest.mark.correctness
@@ -112,7 +112,6 @@ def test_a_bitmask_allows_exactly_its_set_bits(dtype, device):
     got = logits.to(device).masked_fill_(~allowed_tokens(bitmask.to(device), V), float("-inf"))
     assert torch.equal(got.cpu(), expected)
     assert torch.isinf(expected).sum() > R * V // 4  # the random rows do mask
-    assert torch.equal(new_bitmask(2, V), torch.full((2, 3), -1, dtype=torch.int32))
     listed = [0, 5, 31, 32, 63, 76]
     assert allowed_tokens(token_bitmask(listed, V), V)[0].nonzero().flatten().tolist() == listed
     with pytest.raises(ValueError, match=r"bitmask must be int32 \[5, 3\] for V = 77"):
@@ -202,7 +201,7 @@ def test_ids_past_the_tokenizer_are_never_allowed(smollm2):
     whole = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_json_schema('{"type": "object"}',
                                                                                       any_whitespace=False))
     matcher = wider.matcher(spec)
-    want = new_bitmask(1, V)
+    want = xgrammar.allocate_token_bitmask(1, V)
     for token in tok.encode('{"a": "b', add_special_tokens=False) + [None]:
         whole.fill_next_token_bitmask(want, 0)
         allowed = allowed_tokens(matcher.next, V)[0]

@@ -12,11 +12,6 @@ import torch
 from weft.utils import cdiv
 
 
-def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """int32 [rows, ceil(V / 32)] on the CPU with every token allowed."""
-    return torch.full((rows, cdiv(vocab_size, 32)), -1, dtype=torch.int32)
-
-
 def token_bitmask(token_ids: Iterable[int], vocab_size: int) -> torch.Tensor:
     """int32 [1, ceil(V / 32)] on the CPU allowing exactly `token_ids`."""
     bits = np.zeros(cdiv(vocab_size, 32) * 32, dtype=bool)
