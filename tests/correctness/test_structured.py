@@ -114,6 +114,9 @@ def test_a_bitmask_allows_exactly_its_set_bits(dtype, device):
     assert torch.isinf(expected).sum() > R * V // 4  # the random rows do mask
     listed = [0, 5, 31, 32, 63, 76]
     assert allowed_tokens(token_bitmask(listed, V), V)[0].nonzero().flatten().tolist() == listed
+    for outside in (-1, V):
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, 77\)"):
+            token_bitmask([3, outside], V)
     with pytest.raises(ValueError, match=r"bitmask must be int32 \[5, 3\] for V = 77"):
         allowed_tokens(bitmask[:, :2], V)
 
@@ -248,13 +251,17 @@ def test_a_tokenizer_that_cannot_serve_the_model_is_refused(tokenizer, error, me
 
 
 @needs_smollm2
-def test_a_steps_allowed_rows_are_its_grammars_its_lists_and_both(compiler, smollm2):
-    """SamplingState.rules: a row under a grammar allows what its matcher allows, under allowed_token_ids those
-    tokens, under both the tokens in both; rows with neither are not among the allowed rows."""
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernel"])
+def test_a_steps_allowed_rows_are_its_grammars_its_lists_and_both(compiler, smollm2, device, monkeypatch, kernels):
+    """SamplingState.rules: a row under a grammar allows what its matcher allows, under allowed_token_ids (its
+    bitmask row, as the engine builds it) those tokens, under both the tokens in both; rows with neither are not among
+    the allowed rows. `adjust` then bans exactly the others, through PyTorch's ops or the kernel (the interpreter on
+    the CPU), and leaves the free row as it was."""
     from weft.inference.outputs import RequestMetrics
     from weft.inference.params import SamplingParams
     from weft.inference.sampling import SamplingState
     from weft.inference.sequence import Sequence
+    from weft.layers import sampler
 
     tok, V = smollm2.source.tokenizer, smollm2.source.config.V
     spec = StructuredOutputsParams(choice=["yes", "no"])
@@ -265,9 +272,21 @@ def test_a_steps_allowed_rows_are_its_grammars_its_lists_and_both(compiler, smol
     for seq in seqs:
         if seq.params.structured_outputs is not None:
             seq.matcher = compiler.matcher(spec)
-    rules = SamplingState(V, torch.device("cpu"), 8, frozenset(smollm2.source.eos_token_ids)).rules(seqs)
+        if seq.params.allowed_token_ids is not None:
+            seq.allowed = token_bitmask(listed, V)
+    rules = SamplingState(V, device, 8, frozenset(smollm2.source.eos_token_ids)).rules(seqs)
     assert rules.allowed_rows.tolist() == [0, 1, 3]
     grammar = set(allowed_tokens(seqs[0].matcher.next, V)[0].nonzero().flatten().tolist())
-    got = [set(row.nonzero().flatten().tolist()) for row in allowed_tokens(rules.allowed, V)]
-    assert got == [grammar, set(listed), grammar & set(listed)]
-    assert len(grammar) > 1 and got[2] == set(tok.encode("yes", add_special_tokens=False)[:1])
+    want = [grammar, set(listed), None, grammar & set(listed)]
+    assert [set(row.nonzero().flatten().tolist()) for row in allowed_tokens(rules.allowed.cpu(), V)] == [
+        want[0], want[1], want[3]]
+    assert len(grammar) > 1 and want[3] == set(tok.encode("yes", add_special_tokens=False)[:1])
+
+    monkeypatch.setattr(sampler, "on_kernels", lambda x: kernels)
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0)).to(device)
+    adjusted = sampler.adjust(logits, rules).cpu()
+    for row, allowed in enumerate(want):
+        if allowed is None:
+            assert torch.equal(adjusted[row], logits[row].cpu())
+        else:
+            assert set(torch.isfinite(adjusted[row]).nonzero().flatten().tolist()) == allowed

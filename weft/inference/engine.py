@@ -35,6 +35,7 @@ from weft.inference.runner import Launched, ModelRunner
 from weft.inference.scheduler import SCHEDULERS, ScheduledBatch
 from weft.inference.sequence import Sequence
 from weft.inference.structured import GrammarCompiler
+from weft.layers.bitmask import token_bitmask
 from weft.models.llama import LlamaForCausalLM
 from weft.models.loader import resolve_model
 
@@ -141,13 +142,15 @@ class LLMEngine:
                 f"the pool has {self.blocks.num_blocks} blocks, so it could never run", PROMPT,
             )
         bad_words = self._bad_words(params.bad_words)
+        listed = params.allowed_token_ids
+        allowed = token_bitmask(listed, self.model_config.V) if listed is not None else None  # its n completions'
         group: list[Sequence] = []
         for index in range(params.n):
             child = params.child(index) if params.n > 1 else params
             seq = Sequence(
                 request_id=request_id, token_ids=list(ids), num_prompt_tokens=len(ids), params=child,
                 max_len=max_len, metrics=RequestMetrics(now), prompt=parsed.text, index=index,
-                first=group[0] if group else None, bad_words_ids=bad_words,
+                first=group[0] if group else None, bad_words_ids=bad_words, allowed=allowed,
             )  # fmt: skip
             if self.tokenizer is not None and child.detokenize and (
                 child.output_kind is not RequestOutputKind.FINAL_ONLY or child.stop

@@ -10,12 +10,9 @@ lands the steps before its step once that step's forward pass is queued, before 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from weft.inference.sequence import Sequence, Status
-from weft.layers.bitmask import token_bitmask
 from weft.layers.sampler import MASK32, LogitRules, SamplingTensors
 from weft.utils import cdiv
 
@@ -33,8 +30,6 @@ class SamplingState:
         self.counts: torch.Tensor | None = None  # [capacity, V] int32: each token's count in the output
         self.in_prompt: torch.Tensor | None = None  # [capacity, V] bool
         self._words = cdiv(V, 32)
-        # allowed_token_ids as a bitmask row: a request's list is the same every step
-        self._listed = functools.lru_cache(maxsize=256)(lambda ids: token_bitmask(ids, V))
 
     def settings(self, seqs: list[Sequence]) -> SamplingTensors | None:
         """The sampled rows' settings as tensors (None when every row is greedy)."""
@@ -135,13 +130,13 @@ class SamplingState:
                 return self.row_of.pop(seq)
         raise RuntimeError("more requests with a penalty than rows of counts: this is a weft bug, please report it")
 
-    def _allowed(self, seq: Sequence) -> torch.Tensor:
+    @staticmethod
+    def _allowed(seq: Sequence) -> torch.Tensor:
         """The tokens `seq` may sample next, int32 [1, ceil(V / 32)] on the host: its grammar's, its
-        allowed_token_ids, or the tokens in both."""
-        listed = seq.params.allowed_token_ids
+        allowed_token_ids', or the tokens in both."""
         if seq.matcher is None:
-            return self._listed(listed)
-        return seq.matcher.next if listed is None else seq.matcher.next & self._listed(listed)
+            return seq.allowed
+        return seq.matcher.next if seq.allowed is None else seq.matcher.next & seq.allowed
 
     def _bitmask(self, rows: list[torch.Tensor]) -> torch.Tensor:
         """Host bitmask rows [1, W] each -> int32 [len(rows), W] on the device, in one copy (from pinned memory on

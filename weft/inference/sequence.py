@@ -32,6 +32,7 @@ class Sequence:
     first: Sequence | None = None  # completion 0, for the others: they wait for its prompt's blocks to share them
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
     matcher: Any = None  # its structured output's weft.inference.structured.Matcher, if it has one
+    allowed: Any = None  # params.allowed_token_ids as a bitmask row, int32 [1, ceil(V / 32)] (weft.layers.bitmask)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     num_returned_tokens: int = 0  # generated tokens already handed out in DELTA outputs

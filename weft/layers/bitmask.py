@@ -13,9 +13,12 @@ from weft.utils import cdiv
 
 
 def token_bitmask(token_ids: Iterable[int], vocab_size: int) -> torch.Tensor:
-    """int32 [1, ceil(V / 32)] on the CPU allowing exactly `token_ids`."""
+    """int32 [1, ceil(V / 32)] on the CPU allowing exactly `token_ids` (each in [0, V))."""
+    ids = list(token_ids)
+    if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got {min(ids)} .. {max(ids)}")
     bits = np.zeros(cdiv(vocab_size, 32) * 32, dtype=bool)
-    bits[list(token_ids)] = True
+    bits[ids] = True
     # little-endian bytes, low bit first: bit j of word w is bits[32 w + j]
     words = np.frombuffer(np.packbits(bits, bitorder="little").tobytes(), dtype="<i4")
     return torch.from_numpy(words.astype(np.int32)).view(1, -1)
