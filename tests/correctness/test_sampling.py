@@ -196,6 +196,24 @@ def test_n_completions_are_single_requests_seeded_seed_plus_index_sharing_the_pr
     assert hits >= 2 * 32 and prefilled <= len(prompt) + 2 * (len(prompt) - 32)
 
 
+def test_a_requests_completions_run_side_by_side(tiny):
+    """Held back until their first has computed the prompt, a request's later completions are placed right after it
+    in the running order (and so in a step's decodes), not after the requests admitted meanwhile."""
+    engine = tiny.llm_engine
+    for i in range(4):
+        engine.add_request(f"side{i}", list(range(3 + i, 30 + i)),
+                           SamplingParams(n=3 if i % 2 == 0 else 1, max_tokens=12, temperature=1.0, seed=i,
+                                          ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    order = [seq.request_id for seq in engine.scheduler.running]
+    assert sorted(order) == sorted(["side0"] * 3 + ["side1"] + ["side2"] * 3 + ["side3"])
+    assert order == sorted(order, key=order.index)  # each request's completions in one run
+    assert order.index("side1") < order.index("side2") and order[1:3] == ["side0", "side0"]
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny):
     prompt = list(range(3, 30))
     greedy = dict(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -3,8 +3,8 @@
 - static: a batch is admitted only when the previous one has fully finished; its blocks
   are reserved up front for the longest it can grow, so it never preempts.
 - continuous: iteration-level FCFS; running sequences first, then waiting ones are admitted
-  under the token budget; when the pool runs out the latest-admitted sequence is preempted
-  and later recomputed from its tokens.
+  under the token budget; when the pool runs out the last one running is preempted (the latest
+  admitted; a request's completions run side by side) and later recomputed from its tokens.
 
 Both cut prefills into chunks under the step's token budget when chunked prefill is on. A request's n
 completions are n sequences; under the continuous scheduler with prefix caching the later ones are held back
@@ -208,9 +208,22 @@ class Scheduler(ABC):
             seq.num_cached_tokens = seq.num_computed_tokens
         self.blocks.grow(seq, reserve)
         seq.status = Status.RUNNING
-        self.running.append(seq)
+        self._place(seq)
         batch.admitted_tokens += seq.num_tokens
         batch.cached_tokens += seq.num_computed_tokens
+
+    def _place(self, seq: Sequence) -> None:
+        """`seq` into the running order: last (the latest admitted), but a request's later completion right after
+        its others that run, so that a step's decodes that share a prompt read its K/V one after another, where the
+        GPU's L2 cache may serve the repeats."""
+        first = seq.first
+        if first is None or first.status is not Status.RUNNING:
+            self.running.append(seq)
+            return
+        at = self.running.index(first) + 1
+        while at < len(self.running) and self.running[at].first is first:
+            at += 1
+        self.running.insert(at, seq)
 
 
 class StaticScheduler(Scheduler):
@@ -244,7 +257,7 @@ class StaticScheduler(Scheduler):
 
 class ContinuousScheduler(Scheduler):
     """FCFS at every step: running requests first, then waiting ones while the budget, max_num_seqs and
-    the pool allow; when the pool runs out the latest admitted is preempted, to be recomputed."""
+    the pool allow; when the pool runs out the last running is preempted, to be recomputed."""
 
     name = "continuous"
     holds_siblings = True
@@ -265,7 +278,7 @@ class ContinuousScheduler(Scheduler):
                     i += 1  # its token is in flight and may stop it: no preemption for it before that lands
                     continue
                 while not self.blocks.can_hold(seq, need):
-                    victim = self.running.pop()  # latest admitted goes first
+                    victim = self.running.pop()  # the latest admitted request goes first
                     batch.preempted.append((victim, victim.num_computed_tokens))
                     self._preempt(victim)
                     if victim is seq:
