@@ -127,7 +127,6 @@ class GrammarCompiler:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=stops)
         # the LRU below is the one cache: xgrammar's own would keep every grammar ever compiled
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
-        self.vocab_size = vocab_size
         self.stop_token_ids: tuple[int, ...] = tuple(info.stop_token_ids)
         self._stop_row = token_bitmask(self.stop_token_ids, vocab_size)[0]
         self.words = cdiv(len(tokenizer), 32)  # the words of a bitmask row that xgrammar fills; the rest stay 0
