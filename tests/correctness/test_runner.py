@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from weft.attention.paged import PagedBackend
+from weft.attention.triton import TritonBackend
 from weft.config import ModelConfig
 from weft.inference.outputs import RequestMetrics
 from weft.inference.params import SamplingParams
@@ -69,3 +70,26 @@ def test_each_new_token_gets_its_slot_position_and_row():
     assert x.logit_rows.tolist() == [0, 3, 16]  # each request's last new token
     # 17 new tokens: odd parts of the one transfer are padded, so each tensor starts as Triton expects
     assert all(t.data_ptr() % 16 == 0 for t in (x.input_ids, x.positions, x.meta.slot_mapping, x.logit_rows))
+
+
+def test_decodes_sharing_their_first_blocks_reach_the_backend_as_groups():
+    """The runner asks the backend for its decodes' groups and sends them with the step: a group per run of decodes
+    whose tables begin alike, each decode's shared tokens beside it (0 outside the groups), checked by the backend."""
+    cfg = ModelConfig(arch="llama", V=32, E=64, L=1, H_q=2, H_kv=1, D=32, intermediate=32, rms_eps=1e-6,
+                      rope_theta=1e4, max_model_len=1024, tie_word_embeddings=False)
+    attn = TritonBackend(cfg, 256, 16, torch.float32, torch.device("cpu"))
+    attn.check_steps = True
+    runner = ModelRunner(model=None, attn=attn, device=torch.device("cpu"))
+    prompt = list(range(100, 110))  # the first 10 blocks of 16 tokens, shared by siblings
+    batch = ScheduledBatch()
+    for i, (context, blocks) in enumerate([(150, prompt), (300, prompt + [1, 2, 3, 4, 5, 6, 7, 8, 9]),
+                                           (165, prompt + [10]), (70, [20, 21, 22, 23, 24]), (40, [30, 31, 32])]):
+        seq = Sequence(i, list(range(context)), 20, SamplingParams(), 400, RequestMetrics(0.0))
+        seq.num_computed_tokens, seq.block_table = context - (1 if i < 4 else 30), blocks
+        batch.add(seq, 1 if i < 4 else 30)
+    meta = runner.prepare(batch).tensors.meta
+    attn.check(meta)
+    assert meta.decode_groups.tolist() == [[0, 3, 128]] and meta.shared_lens.tolist() == [128, 128, 128, 0, 0]
+    alone = ScheduledBatch()
+    alone.add(batch.seqs[3], 1)
+    assert runner.prepare(alone).tensors.meta.decode_groups is None

@@ -12,6 +12,7 @@ import torch
 
 from tests.correctness.test_sampler import settings
 from weft import LLM, RequestOutputKind, SamplingParams
+from weft.attention.triton import TritonBackend
 from weft.inference.engine import LLMEngine
 from weft.inference.outputs import RequestMetrics
 from weft.inference.sampling import SamplingState
@@ -194,6 +195,31 @@ def test_n_completions_are_single_requests_seeded_seed_plus_index_sharing_the_pr
     assert [c.token_ids for c in out.outputs] == [s.outputs[0].token_ids for s in singles]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
     assert hits >= 2 * 32 and prefilled <= len(prompt) + 2 * (len(prompt) - 32)
+
+
+@pytest.mark.gpu
+def test_completions_decode_as_a_group_that_reads_their_prompt_once(monkeypatch):
+    """With the triton backend a request's completions, side by side, decode as one group: their prompt's shared
+    blocks are read once for all of them (weft.attention.kernels.decode.prefix_groups). Their tokens are those of the
+    same engine with no groups, beside a request of its own (a mixed first step), every step's groups checked."""
+    prompts = [list(range(3, 150)), list(range(200, 260))]  # 147 tokens: 9 whole blocks of 16, two tiles shared
+    params = [SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)]
+    found: list[list[int]] = []
+    own = TritonBackend.prefix_groups
+
+    def spied(self, tables, context_lens):
+        found.append(own(self, tables, context_lens))
+        return found[-1]
+
+    outputs = []
+    for groups in (spied, lambda self, tables, context_lens: []):
+        monkeypatch.setattr(TritonBackend, "prefix_groups", groups)
+        with LLM("tiny-llama", attention="triton", dtype="float32", num_blocks=64, device="cuda") as llm:
+            outputs.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)])
+            assert llm.llm_engine.runner.graphs.replays > 0  # decode steps, grouped or not, replay CUDA graphs
+    assert outputs[0] == outputs[1]
+    assert [0, 3, 128] in found or [1, 3, 128] in found
 
 
 def test_a_requests_completions_run_side_by_side(tiny):

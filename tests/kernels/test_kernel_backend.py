@@ -182,3 +182,43 @@ def test_steps_are_checked_only_when_asked(bad_case, monkeypatch):
     backend.check_steps = False  # the default: no host sync in the hot path
     backend.prepare(bad_case.meta())
     assert len(calls) == 1
+
+
+def grouped_case(dtype: torch.dtype, device) -> tuple[PagedCase, list[int]]:
+    """Three decodes whose tables begin with the same 8 blocks (128 tokens), a decode of its own, a prefill; and the
+    groups the backend finds in them."""
+    case = make_case(4, 2, 64, 16, [1, 1, 1, 1, 30], [150, 200, 170, 90, 40], dtype, device, 7)
+    case.block_tables[1:3, :8] = case.block_tables[0, :8]
+    backend, _, _ = backend_for(case)
+    decodes = case.meta().num_decodes
+    return case, backend.prefix_groups(case.block_tables[:decodes].tolist(), case.context_lens[:decodes].tolist())
+
+
+def with_groups(case: PagedCase, groups: list[int], shared_lens: list[int]):
+    device = case.q.device
+    return replace(case.meta(), decode_groups=torch.tensor(groups, dtype=torch.int32, device=device).view(-1, 3),
+                   shared_lens=torch.tensor(shared_lens, dtype=torch.int32, device=device))
+
+
+def test_forward_with_decode_groups_fp32(device):
+    """A mixed step whose decodes the backend groups: checked, then the same outputs as the reference."""
+    case, groups = grouped_case(torch.float32, device)
+    assert groups == [0, 3, 128]
+    backend, k, v = backend_for(case)
+    step = backend.prepare(with_groups(case, groups, [128, 128, 128, 0, 0]))
+    assert step.shared is not None
+    assert_matches(backend.forward(LAYER, case.q, k, v, step), reference(case, 64**-0.5))
+
+
+@pytest.mark.parametrize(("groups", "shared_lens", "match"), [
+    ([0, 3, 128], [128, 128, 0, 0, 0], "shared_lens"),
+    ([0, 3, 100], [100, 100, 100, 0, 0], "whole tiles"),
+    ([0, 4, 128], [128, 128, 128, 128, 0], "do not all share"),
+    ([3, 2, 64], [0, 0, 0, 64, 64], "2 or more of the 4 decodes"),
+    ([0, 1, 128], [128, 0, 0, 0, 0], "2 or more"),
+])  # fmt: skip
+def test_rejects_groups_that_do_not_share(device, groups, shared_lens, match):
+    case, _ = grouped_case(torch.float32, device)
+    backend, _, _ = backend_for(case)
+    with pytest.raises(ValueError, match=match):
+        backend.prepare(with_groups(case, groups, shared_lens))

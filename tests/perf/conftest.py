@@ -85,6 +85,7 @@ class Sizes:
     e12_prompt_len: int  # the ablation's batch-1 request (its other workload is e8's)
     e12_new_tokens: int
     e14_structured_model: str  # e14's grammar-constrained requests (with a tokenizer: see test_e14_sampling)
+    e14_long_prompts: tuple[int, int]  # e14's n on long prompts: each prompt's tokens, and each output's
     e13_batch: int  # the profiled decode step's requests
     e13_context: int  # their prompts' tokens
     e13_prefill: int  # the prompt a mixed step prefills beside them
@@ -145,6 +146,7 @@ CUDA_SIZES = Sizes(
     e12_prompt_len=256,
     e12_new_tokens=128,
     e14_structured_model="qwen3-0.6b",
+    e14_long_prompts=(2000, 128),
     e13_batch=256,
     e13_context=576,
     e13_prefill=512,
@@ -200,6 +202,7 @@ CPU_SIZES = Sizes(
     e12_prompt_len=16,
     e12_new_tokens=16,
     e14_structured_model=DEFAULT_MODEL,  # the tiny models' vocabularies are narrower than any tokenizer's
+    e14_long_prompts=(40, 4),
     e13_batch=8,
     e13_context=16,
     e13_prefill=8,

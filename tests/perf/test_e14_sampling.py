@@ -1,5 +1,6 @@
 """e14: what vLLM's sampling fields cost, in the same run on continuous×triton: e8's workload greedy and with
-temperature, top-k, top-p, min-p and the three penalties; n=4 against n=1 on 64 of its prompts; and 64 of its
+temperature, top-k, top-p, min-p and the three penalties; n=4 against n=1 on 64 of its prompts, and on 64 long
+prompts with short outputs (where reading a prompt once for its four completions matters most); and 64 of its
 requests through a JSON schema's grammar against the same requests unconstrained.
 
 The grammar needs a tokenizer, which the random-weight shapes lack: the engine takes one (`tokenizer`),
@@ -23,6 +24,8 @@ CASES = [
     ("e8", BenchConfig(options=TRITON, sampling="sampled")),
     ("n", BenchConfig(options=TRITON, sampling="n1")),
     ("n", BenchConfig(options=TRITON, sampling="n4")),
+    ("n-long", BenchConfig(options=TRITON, sampling="n1")),
+    ("n-long", BenchConfig(options=TRITON, sampling="n4")),
     ("json", BenchConfig(options=TOKENIZED)),
     ("json", BenchConfig(options=TOKENIZED, sampling="json")),
 ]
@@ -39,5 +42,10 @@ def test_e14_sampling(run_benchmark, sizes, model_for, workload, config):
 
         vocab = len(load_tokenizer(TOKENIZER, vocab))  # the prompts' ids: the tokenizer's, which may be fewer
     count = sizes.e8_requests if workload == "e8" else min(64, sizes.e8_requests)
-    run_benchmark("e14", config, workloads.standard(vocab, count, sizes.e8_lengths), model=model,
-                  workload_kind=workload)
+    if workload == "n-long":
+        prompt, output = sizes.e14_long_prompts
+        requests = workloads.uniform(count, (prompt, prompt), (output, output), vocab, workloads.STANDARD_SEED,
+                                     f"long-{count}x{prompt}-{output}")
+    else:
+        requests = workloads.standard(vocab, count, sizes.e8_lengths)
+    run_benchmark("e14", config, requests, model=model, workload_kind=workload)

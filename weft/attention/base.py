@@ -44,6 +44,9 @@ class AttentionMetadata:
     max_query_len: int  # max T over requests (host int: no device sync needed)
     max_context_len: int  # max context_lens (host int)
     num_decodes: int  # leading requests with T = 1 (host int)
+    # Groups of decodes that share their leading blocks (AttentionBackend.prefix_groups), None where there are none:
+    decode_groups: torch.Tensor | None = None  # [G, 3] int32: a group's first decode, its members, its shared tokens
+    shared_lens: torch.Tensor | None = None  # [B] int32: each request's shared tokens (0 outside the groups)
 
     @property
     def num_requests(self) -> int:
@@ -107,6 +110,17 @@ class AttentionBackend(ABC, Generic[StepT]):
     def block_bytes(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block costs across K, V and all layers: what pool sizing divides by."""
         return 2 * cfg.L * block_size * cfg.H_kv * cfg.D * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether `prefix_groups` ever finds groups."""
+        return False
+
+    def prefix_groups(self, tables: list[list[int]], context_lens: list[int]) -> list[int]:
+        """Groups of a step's decodes (their block tables and context lengths) whose attention reads the blocks
+        they share once: [first, members, shared tokens] of each, flat (AttentionMetadata.decode_groups); none
+        unless `shares_prefixes`."""
+        return []
 
     def prepare(self, meta: AttentionMetadata) -> StepT:
         """Per-step state derived from `meta` once, before the L layers run; passed to `forward`."""

@@ -4,7 +4,9 @@ Writes are RoPE's kernel's (`cache_slots`) or, in the eager attention between pi
 kernel per layer (slots < 0 skipped). Reads follow the block table inside the kernels, so nothing is
 gathered into a padded copy: a step's decodes (one new token each) run split-KV flash-decoding, its
 other requests a causal flash-attention kernel over the cache; a mixed step launches both, each on its
-own requests. In a model's sliding-window layers both read only the window's keys.
+own requests. In a model's sliding-window layers both read only the window's keys. Decodes whose tables
+begin with the same blocks (a request's n completions, a cached prompt prefix) are grouped, and a first
+kernel reads each group's shared blocks once (weft.attention.kernels.decode.prefix_groups).
 
 Batch-invariant (EngineConfig.deterministic), every request goes to one launch of `grouped_attention`,
 decodes as requests of one new token: one compiled program, a KV head's query heads in its rows, folds
@@ -12,7 +14,7 @@ a query's keys in tiles of the same BLOCK_N from position 0, in order, one query
 another's; whole-tile and diagonal tiles differ only in a mask of what the row sees, and tiles past the row
 add exact zeros. So a token's output is the same bits whether it is decoded, prefilled whole or in a chunk
 of any size, or follows a cached prefix. The split decode kernel's split count follows the batch, so it is
-not used there.
+not used there; nor are the groups, which follow the batch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from weft.attention.base import AttentionMetadata
 from weft.attention.kernels import DecodeSplits, decode_attention, grouped_attention, prefill_attention, write_kv
+from weft.attention.kernels.decode import TILE_TOKENS, SharedPrefixes, max_group_members, prefix_groups
 from weft.attention.kernels.tiles import MAX_HEAD_DIM
 from weft.attention.paged import PagedSlab
 from weft.config import ModelConfig
@@ -34,6 +37,7 @@ class TritonStep:
 
     meta: AttentionMetadata
     splits: DecodeSplits | None  # steps with decodes: the split of their contexts and its scratch
+    shared: SharedPrefixes | None  # steps with groups of decodes: the groups and the shared kernel's scratch
 
 
 class TritonBackend(PagedSlab[TritonStep]):
@@ -47,16 +51,26 @@ class TritonBackend(PagedSlab[TritonStep]):
         if not 1 <= cfg.D <= MAX_HEAD_DIM:
             raise ValueError(f"triton: head dimension D must be in [1, {MAX_HEAD_DIM}], got {cfg.D}")
 
+    @property
+    def shares_prefixes(self) -> bool:
+        return not self.batch_invariant and max_group_members(self.cfg.H_q, self.cfg.H_kv) > 1
+
+    def prefix_groups(self, tables: list[list[int]], context_lens: list[int]) -> list[int]:
+        if not self.shares_prefixes:
+            return []
+        return prefix_groups(tables, context_lens, self.block_size, max_group_members(self.cfg.H_q, self.cfg.H_kv))
+
     def plan(self, meta: AttentionMetadata) -> TritonStep:
-        splits = None
+        splits = shared = None
         if meta.num_decodes and not self.batch_invariant:
-            cfg = self.cfg
-            cache = self.kv_cache
-            splits = DecodeSplits.plan(
-                meta.num_decodes, cfg.H_q, cfg.H_kv, cfg.D, self.block_size, cache.dtype, meta.max_context_len,
-                cache.device,
-            )
-        return TritonStep(meta, splits)
+            cfg, cache, B = self.cfg, self.kv_cache, meta.num_decodes
+            shape = (cfg.H_q, cfg.H_kv, cfg.D, self.block_size, cache.dtype)
+            splits = DecodeSplits.plan(B, *shape, meta.max_context_len, cache.device)
+            if meta.decode_groups is not None:
+                shared = SharedPrefixes.plan(
+                    meta.decode_groups, meta.shared_lens, B, *shape, meta.max_context_len, splits.tiles
+                )
+        return TritonStep(meta, splits, shared)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: TritonStep) -> None:
         self._check_tokens("k", k, self.cfg.H_kv, step.meta)
@@ -78,7 +92,7 @@ class TritonBackend(PagedSlab[TritonStep]):
             return grouped_attention(q, k_cache, v_cache, table, meta.query_start_loc, ctx, self.scale, out, window)
         decodes = 0 if step.splits is None else meta.num_decodes
         if decodes:
-            decode_attention(q, k_cache, v_cache, table, ctx, self.scale, step.splits, out, window)
+            decode_attention(q, k_cache, v_cache, table, ctx, self.scale, step.splits, out, window, step.shared)
         if decodes < meta.num_requests:
             prefill_attention(
                 q, k_cache, v_cache, table, meta.query_start_loc, ctx, meta.max_query_len, self.scale, out,
@@ -142,3 +156,23 @@ class TritonBackend(PagedSlab[TritonStep]):
         if slot_min < 0 or slot_max >= N * P:
             bad = slot_min if slot_min < 0 else slot_max
             raise ValueError(f"triton: slot {bad} is outside the cache's [0, {N * P})")
+        if meta.decode_groups is not None:
+            self._check_groups(meta)
+
+    def _check_groups(self, meta: AttentionMetadata) -> None:
+        """Each group: 2 or more of the decodes, whose tables begin with the blocks of its shared tokens, in whole tiles
+        before each member's new token; shared_lens their shared tokens (0 outside the groups)."""
+        ctx, tables, P = meta.context_lens.tolist(), meta.block_tables, self.block_size
+        want = [0] * meta.num_requests
+        for first, members, shared in meta.decode_groups.tolist():
+            last = first + members - 1
+            if first < 0 or members < 2 or last >= meta.num_decodes or shared < 1 or shared % TILE_TOKENS:
+                raise ValueError(f"triton: group ({first}, {members}, {shared}) is not 2 or more of the "
+                                 f"{meta.num_decodes} decodes sharing whole tiles of {TILE_TOKENS} tokens")
+            blocks = -(-shared // P)
+            if min(ctx[first : last + 1]) <= shared or not tables[first : last + 1, :blocks].eq(
+                    tables[first, :blocks]).all():
+                raise ValueError(f"triton: the decodes {first}..{last} do not all share their first {shared} tokens")
+            want[first : last + 1] = [shared] * members
+        if meta.shared_lens is None or meta.shared_lens.tolist() != want:
+            raise ValueError(f"triton: shared_lens must be each request's group's shared tokens, {want}")

@@ -57,6 +57,8 @@ class StaticInputs:
     query_start_loc: torch.Tensor  # [B_max+1] int32: 0, 1, 2, ... (one token per request)
     context_lens: torch.Tensor  # [B_max] int32; 1 on padding rows
     block_tables: torch.Tensor  # [B_max, max_blocks] int32: every entry a valid block
+    decode_groups: torch.Tensor  # [B_max // 2, 3] int32: rows [0, B // 2) serve a graph with groups; 0 when empty
+    shared_lens: torch.Tensor  # [B_max] int32; 0 outside the groups
     max_context_len: int  # max_blocks * P: the longest context the table holds
 
     @classmethod
@@ -68,12 +70,15 @@ class StaticInputs:
             query_start_loc=torch.arange(B_max + 1, dtype=torch.int32, device=device),
             context_lens=torch.ones(B_max, dtype=torch.int32, device=device),
             block_tables=torch.zeros(B_max, max_blocks, dtype=torch.int32, device=device),
+            decode_groups=torch.zeros(B_max // 2, 3, dtype=torch.int32, device=device),
+            shared_lens=torch.zeros(B_max, dtype=torch.int32, device=device),
             max_context_len=max_blocks * P,
         )
 
-    def meta(self, B: int) -> AttentionMetadata:
-        """A decode step over rows [0, B) whose contexts may be as long as the block table holds:
-        what it is planned for. The kernels read the real lengths from `context_lens`."""
+    def meta(self, B: int, grouped: bool) -> AttentionMetadata:
+        """A decode step over rows [0, B) whose contexts may be as long as the block table holds, with B // 2
+        slots of groups if `grouped`: what it is planned for. The kernels read the real lengths and groups from
+        `context_lens` and `decode_groups`."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:B],
             query_start_loc=self.query_start_loc[: B + 1],
@@ -82,6 +87,8 @@ class StaticInputs:
             max_query_len=1,
             max_context_len=self.max_context_len,
             num_decodes=B,
+            decode_groups=self.decode_groups[: B // 2] if grouped else None,
+            shared_lens=self.shared_lens[:B] if grouped else None,
         )
 
 
@@ -105,7 +112,7 @@ class DecodeGraphs(Generic[StepT]):
         self.sizes = graph_batch_sizes(min(max_batch, MAX_GRAPH_BATCH))
         max_blocks = cdiv(max_model_len, attn.block_size)
         self.inputs = StaticInputs.allocate(self.sizes[-1], max_blocks, attn.block_size, attn.kv_cache.device)
-        self.captured: dict[int, CapturedStep[StepT]] = {}
+        self.captured: dict[tuple[int, bool], CapturedStep[StepT]] = {}  # by batch size, and whether with groups
         self.replays = 0
         self._capture()
 
@@ -122,13 +129,14 @@ class DecodeGraphs(Generic[StepT]):
         # the largest batch first, so that the smaller ones reuse its memory from the shared pool
         for B in reversed(self.sizes):
             ids, positions = self.inputs.input_ids[:B], self.inputs.positions[:B]
-            step = self.attn.plan(self.inputs.meta(B))
-            self.model(ids, positions, self.attn, step)  # warm-up: compiles kernels, picks GEMMs
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(ids, positions, self.attn, step)
-            self.captured[B] = CapturedStep(graph, hidden, step)
+            for grouped in (False, True) if self.attn.shares_prefixes and B > 1 else (False,):
+                step = self.attn.plan(self.inputs.meta(B, grouped))
+                self.model(ids, positions, self.attn, step)  # warm-up: compiles kernels, picks GEMMs
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self.model(ids, positions, self.attn, step)
+                self.captured[B, grouped] = CapturedStep(graph, hidden, step)
         torch.cuda.synchronize()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -148,7 +156,14 @@ class DecodeGraphs(Generic[StepT]):
         x.context_lens[:B].copy_(meta.context_lens)
         x.context_lens[B:size].fill_(1)
         x.block_tables[:B, : meta.block_tables.shape[1]].copy_(meta.block_tables)
-        captured = self.captured[size]
+        grouped = meta.decode_groups is not None
+        if grouped:
+            G = meta.decode_groups.shape[0]
+            x.decode_groups[:G].copy_(meta.decode_groups)
+            x.decode_groups[G : size // 2].zero_()
+            x.shared_lens[:B].copy_(meta.shared_lens)
+            x.shared_lens[B:size].zero_()
+        captured = self.captured[size, grouped]
         captured.graph.replay()
         self.replays += 1
         return captured.hidden[:B]

@@ -44,14 +44,16 @@ class StepLayout:
     max_query_len: int
     max_context_len: int
     num_decodes: int
+    num_groups: int  # G: groups of decodes sharing their leading blocks (AttentionBackend.prefix_groups)
 
     @property
     def sizes(self) -> list[int]:
         """input ids, positions, query starts, context lengths, logit rows, block tables, pending rows and
-        their rows in the last step's ids; then the slots (after the padded parts)."""
-        pending = self.num_pending
+        their rows in the last step's ids, the groups and each request's shared tokens (none without groups); then
+        the slots (after the padded parts)."""
+        pending, G = self.num_pending, self.num_groups
         return [self.T_total, self.T_total, self.B + 1, self.B, self.num_sampled + self.num_prompt_rows,
-                self.B * self.width, pending, pending, self.T_total]
+                self.B * self.width, pending, pending, 3 * G, self.B if G else 0, self.T_total]
 
     @property
     def offsets(self) -> list[int]:
@@ -69,8 +71,9 @@ class StepLayout:
 
     def views(self, flat: torch.Tensor) -> StepTensors:
         """The step's tensors, views of `flat` [numel] int64 on the device."""
-        ids, pos, starts, lens, rows, tables, pending_at, pending_from, slots = (
+        ids, pos, starts, lens, rows, tables, pending_at, pending_from, groups, shared, slots = (
             flat[i : i + n] for i, n in zip(self.offsets, self.sizes, strict=True))
+        G = self.num_groups
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=starts.to(torch.int32),
@@ -79,6 +82,8 @@ class StepLayout:
             max_query_len=self.max_query_len,
             max_context_len=self.max_context_len,
             num_decodes=self.num_decodes,
+            decode_groups=groups.view(G, 3).to(torch.int32) if G else None,
+            shared_lens=shared.to(torch.int32) if G else None,
         )
         return StepTensors(ids, pos, meta, rows, pending_at, pending_from)
 
@@ -101,7 +106,7 @@ class StepLists:
     layout: StepLayout
     parts: tuple[Iterable[int], ...]  # input ids, positions, query starts, context lengths, logit rows, block
     # tables (B rows of `width` blocks; an iterator, which packing reads once), pending rows, their rows in the
-    # last step's ids
+    # last step's ids, the groups, the shared tokens
     num_new_tokens: list[int]  # T of each request
     sampling: list[Sequence]  # the B' sequences that get a next token
     prompt_targets: list[int]  # the next token of each prompt row
@@ -154,9 +159,10 @@ class Launched:
                           [(seq, as_dict(e, decode)) for seq, e in self.prompt_logprobs])
 
 
-def gather(batch: ScheduledBatch) -> StepLists:
+def gather(batch: ScheduledBatch, attn: AttentionBackend) -> StepLists:
     """`batch`'s inputs as host lists, from per-request slices; a request whose newest token is still on the
-    device (pending) gets a placeholder row, filled on the device when the lists are packed."""
+    device (pending) gets a placeholder row, filled on the device when the lists are packed; the decodes' groups
+    as `attn` finds them."""
     input_ids: list[int] = []
     positions: list[int] = []
     starts, context_lens, sample_rows, sampling = [0], [], [], []
@@ -182,12 +188,17 @@ def gather(batch: ScheduledBatch) -> StepLists:
             sample_rows.append(starts[-1] - 1)
             sampling.append(seq)
     B, T_total, width = len(batch), len(input_ids), max(len(seq.block_table) for seq in batch.seqs)
+    num_decodes = next((i for i, T in enumerate(batch.num_new_tokens) if T != 1), B)
+    groups = attn.prefix_groups([seq.block_table for seq in batch.seqs[:num_decodes]], context_lens[:num_decodes])
+    shared = [0] * B if groups else []
+    for first, members, tokens in zip(groups[::3], groups[1::3], groups[2::3], strict=True):
+        shared[first : first + members] = [tokens] * members
     layout = StepLayout(B, T_total, width, len(sample_rows), len(prompt_rows), len(pending_at),
-                        max(batch.num_new_tokens), max(context_lens),
-                        next((i for i, T in enumerate(batch.num_new_tokens) if T != 1), B))
+                        max(batch.num_new_tokens), max(context_lens), num_decodes, len(groups) // 3)
     tables = itertools.chain.from_iterable(seq.block_table + [0] * (width - len(seq.block_table))
                                            for seq in batch.seqs)
-    parts = (input_ids, positions, starts, context_lens, sample_rows + prompt_rows, tables, pending_at, pending_rows)
+    parts = (input_ids, positions, starts, context_lens, sample_rows + prompt_rows, tables, pending_at, pending_rows,
+             groups, shared)
     return StepLists(layout, parts, batch.num_new_tokens, sampling, prompt_targets, prompt_owners)
 
 
@@ -209,7 +220,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> StepInputs:
         """The step's inputs on the device (and on the other tensor-parallel ranks), sent in one copy; a request's
         newest token, if still pending, is read from `pending` (the last step's sampled ids [B'_last])."""
-        return self.pack(gather(batch), pending)
+        return self.pack(gather(batch, self.attn), pending)
 
     def pack(self, lists: StepLists, pending: torch.Tensor | None) -> StepInputs:
         """`lists` into one int64 buffer (each part padded to an even length, the slots derived from the block

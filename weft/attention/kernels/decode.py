@@ -7,6 +7,11 @@ split writes its output directly). The last split of a (request, KV head) to fin
 all, counted by an atomic arrival counter: no second kernel, so no second launch and no round
 trip between them (results/logs/h200_decode_splits.txt, section 2). Splitting the context is
 what keeps all SMs busy when B * H_kv is small.
+
+Decodes whose block tables begin with the same blocks (a request's n completions, prompts with a
+cached prefix in common) can be read as a group (`prefix_groups`): a first kernel walks the shared
+blocks once per group, each member's query heads in its rows, and leaves each member's partial output;
+the split kernel then reads each member's own tokens only, its first split starting from that partial.
 """
 
 from __future__ import annotations
@@ -33,9 +38,13 @@ MERGE_ELEMENTS = 2048  # float32 values of the splits' outputs the merge reads a
 # The block table's width and the number of splits change from step to step: the strides and the
 # row length they set are not specialized on (those of o stay multiples of D_PAD, a power of two
 # >= 16, whatever the split count), so a serving run compiles the kernel once per shape, not again mid-run.
-@triton.jit(do_not_specialize=["stride_table", "stride_lb", "stride_lh", "table_tokens"])
+@triton.jit(do_not_specialize=[
+    "stride_table", "stride_lb", "stride_lh", "stride_sb", "stride_ss", "stride_tb", "stride_th", "table_tokens",
+    "shared_splits",
+])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, context_lens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
+    shared_lens_ptr, shared_o_ptr, shared_lse_ptr, shared_splits,
     scale_log2, table_tokens,
     stride_qb, stride_qh, stride_qd,
     stride_kn, stride_kp, stride_kh, stride_kd,
@@ -43,9 +52,11 @@ def _split_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
     stride_xb, stride_xh, stride_xd,
+    stride_sb, stride_sh, stride_ss, stride_sd,
+    stride_tb, stride_th, stride_ts,
     GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_TILE: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-    PDL: tl.constexpr,
+    SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
     follow(PDL)
     # Splits vary fastest in the grid, so that the programs dispatched last (which the memory serves
@@ -71,6 +82,10 @@ def _split_kernel(
         lo = tl.maximum(context_len - WINDOW, 0)
         first += lo // BLOCK_N * BLOCK_N
         offs = token_offsets(table, first, table_tokens, stride_kn, stride_kp, P, BLOCK_N)
+    elif SHARED:  # a group's shared tokens (a multiple of BLOCK_N, 0 outside groups) are the shared kernel's
+        lo = tl.load(shared_lens_ptr + b)
+        first += lo
+        offs = token_offsets(table, first, table_tokens, stride_kn, stride_kp, P, BLOCK_N)
 
     rows = tl.arange(0, GROUP_ROWS)
     row_ok = rows < GROUP
@@ -82,6 +97,13 @@ def _split_kernel(
     m = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_ROWS], tl.float32)
     acc = tl.zeros([GROUP_ROWS, D_PAD], tl.float32)
+    if SHARED:  # the first split of a group's member goes on from the shared tokens' partials
+        if (split == 0) & (lo > 0):
+            m, row_sum, acc = _fold_shared(
+                shared_o_ptr + b * stride_sb, shared_lse_ptr + b * stride_tb, heads, row_ok,
+                tl.minimum(shared_splits, lo // BLOCK_N),
+                stride_sh, stride_ss, stride_sd, stride_th, stride_ts, GROUP_ROWS, D_PAD,
+            )
     head_k = k_ptr + h_kv * stride_kh
     head_v = v_ptr + h_kv * stride_kh
     for start in range(first, context_len, step):
@@ -124,6 +146,96 @@ def _split_kernel(
                 GROUP, GROUP_P2, MERGE_TILE, D, D_PAD,
             )
             tl.store(arrivals, 0)  # ready for the next layer's launch
+
+
+@triton.jit
+def _fold_shared(
+    o_ptr, lse_ptr, heads, row_ok, num_splits, stride_sh, stride_ss, stride_sd, stride_th, stride_ts,
+    GROUP_ROWS: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """The online-softmax state (m, row_sum, acc) of one member's shared tokens, from the shared kernel's
+    num_splits partials that hold tiles (normalized o [D_PAD] and log2-sum-exp each, per head): o weighed by
+    exp2(lse - m). One partial after another: there are at most MAX_SHARED_SPLITS."""
+    d = tl.arange(0, D_PAD)
+    m = tl.full([GROUP_ROWS], -1e30, tl.float32)  # finite: an empty split (lse -inf) weighs 0, not NaN
+    row_sum = tl.zeros([GROUP_ROWS], tl.float32)
+    acc = tl.zeros([GROUP_ROWS, D_PAD], tl.float32)
+    for s in range(num_splits):
+        lse = tl.load(lse_ptr + heads * stride_th + s * stride_ts, mask=row_ok, other=float("-inf"))
+        o = tl.load(o_ptr + heads[:, None] * stride_sh + s * stride_ss + d[None, :] * stride_sd, mask=row_ok[:, None],
+                    other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        row_sum = row_sum * alpha + w
+        m = m_new
+    return m, row_sum, acc
+
+
+# The shared kernel's rows: each member's H_q / H_kv query heads, one member after another.
+SHARED_ROWS = MIN_DOT
+# The most splits of a group's shared tokens. Each member's first split folds them in one after another before it
+# reads its own tokens, so more would hold it up; a step with few groups reads their shared tokens more slowly than
+# the split kernel alone would (it reads them once, not once per member).
+MAX_SHARED_SPLITS = 4
+
+
+@triton.jit(do_not_specialize=["stride_table", "stride_sb", "stride_ss", "stride_tb", "stride_th", "table_tokens"])
+def _shared_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, groups_ptr, o_ptr, lse_ptr,
+    scale_log2, table_tokens,
+    stride_qb, stride_qh, stride_qd,
+    stride_kn, stride_kp, stride_kh, stride_kd,
+    stride_table,
+    stride_sb, stride_sh, stride_ss, stride_sd,
+    stride_tb, stride_th, stride_ts,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program per (split, KV head, group): the group's shared tokens, read once for every member's queries
+    in its rows; tiles dealt over the splits as in the split kernel. Each member's rows leave this split's
+    normalized output and log2-sum-exp (a split with no tile: -inf). An empty slot (0 members, 0 tokens) reads
+    nothing."""
+    follow(PDL)
+    split = tl.program_id(0)
+    h_kv = tl.program_id(1)
+    g = tl.program_id(2)
+    num_splits = tl.num_programs(0)
+    first_b = tl.load(groups_ptr + 3 * g)
+    size = tl.load(groups_ptr + 3 * g + 1)
+    length = tl.load(groups_ptr + 3 * g + 2)  # a multiple of BLOCK_N
+    table = table_ptr + first_b.to(tl.int64) * stride_table  # the first member's row: the shared blocks are its
+
+    rows = tl.arange(0, ROWS)
+    member = rows // GROUP
+    row_ok = member < size  # an empty slot has no members
+    heads = h_kv * GROUP + rows % GROUP
+    member_b = first_b + member
+    d = tl.arange(0, D_PAD)
+    q = tl.load(q_ptr + member_b[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=lanes(row_ok, D, D_PAD), other=0.0)
+
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    row_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    head_k = k_ptr + h_kv * stride_kh
+    head_v = v_ptr + h_kv * stride_kh
+    step = num_splits * BLOCK_N
+    offs = token_offsets(table, split * BLOCK_N, table_tokens, stride_kn, stride_kp, P, BLOCK_N)
+    for start in range(split * BLOCK_N, length, step):
+        ok = start + tl.arange(0, BLOCK_N) < length  # all: tiles are whole
+        kv_ok = lanes(ok, D, D_PAD)
+        k = tl.load(head_k + offs[:, None] + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+        v = tl.load(head_v + offs[:, None] + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+        offs = token_offsets(table, start + step, length, stride_kn, stride_kp, P, BLOCK_N)
+        m, row_sum, acc = softmax_step(q, k, v, m, row_sum, acc, scale_log2, ok[None, :])
+
+    lse = tl.where(row_sum > 0, m + tl.log2(row_sum), float("-inf"))
+    row_sum = tl.where(row_sum > 0, row_sum, 1.0)
+    o_rows = o_ptr + member_b * stride_sb + heads * stride_sh + split * stride_ss
+    tl.store(o_rows[:, None] + d[None, :] * stride_sd, acc / row_sum[:, None], mask=row_ok[:, None])
+    tl.store(lse_ptr + member_b * stride_tb + heads * stride_th + split * stride_ts, lse, mask=row_ok)
 
 
 @triton.jit
@@ -199,8 +311,9 @@ class Tiles:
 # flight) ahead of the one being computed. float32 walks shallow ones only: they already take 78 KB of shared
 # memory at D = 128, two programs per SM on the H200 (results/logs/kernel_notes.md); deep ones were not
 # measured, and 32-token ones spill registers (results/logs/h200_decode_splits.txt, section 7b).
-SHALLOW_TILES = Tiles(64, 2)
-DEEP_TILES = Tiles(64, 3)
+TILE_TOKENS = 64
+SHALLOW_TILES = Tiles(TILE_TOKENS, 2)
+DEEP_TILES = Tiles(TILE_TOKENS, 3)
 
 
 def tile_options(dtype: torch.dtype) -> tuple[Tiles, ...]:
@@ -253,6 +366,86 @@ class DecodeSplits:
         return cls(tiles, o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
 
 
+@dataclass
+class SharedPrefixes:
+    """A decode step's groups of decodes whose block tables begin with the same blocks (`prefix_groups`), and the
+    scratch of the shared kernel, which reads each group's shared tokens once. Built with the step's `DecodeSplits`."""
+
+    groups: torch.Tensor  # [G, 3] int32: each group's first decode, its members (the decodes after it), its shared
+    # tokens (a multiple of TILE_TOKENS below each member's context; 0: an empty slot, read by no program)
+    lens: torch.Tensor  # [>= B] int32: each decode's shared tokens, 0 outside groups
+    o: torch.Tensor  # [B, H_q, num_splits, D_PAD] float32: each split's normalized output, per member
+    lse: torch.Tensor  # [B, H_q, num_splits] float32: its log2-sum-exp (-inf for a split with no tile)
+
+    @classmethod
+    def plan(
+        cls, groups: torch.Tensor, lens: torch.Tensor, B: int, H_q: int, H_kv: int, D: int, P: int,
+        dtype: torch.dtype, max_shared_len: int, tiles: Tiles, num_splits: int | None = None,
+    ) -> SharedPrefixes:
+        """`num_splits` of the shared tokens defaults to what `DecodeSplits.plan` picks for a step of G * H_kv pairs
+        whose longest shared part is max_shared_len, at most MAX_SHARED_SPLITS."""
+        device = groups.device
+        if num_splits is None:
+            slots = resident_programs(device, dtype, H_q, H_kv, D, P, tiles)
+            tiles_long = triton.cdiv(max_shared_len, tiles.block_n)
+            num_splits = min(MAX_SHARED_SPLITS, best_num_splits(groups.shape[0] * H_kv, tiles_long, slots))
+        o = torch.empty(B, H_q, num_splits, padded_head_dim(D), dtype=torch.float32, device=device)
+        return cls(groups, lens, o, torch.empty(B, H_q, num_splits, dtype=torch.float32, device=device))
+
+    @property
+    def num_splits(self) -> int:
+        return self.lse.shape[2]
+
+
+def max_group_members(H_q: int, H_kv: int) -> int:
+    """The most decodes one group holds: as many as the shared kernel's rows hold their query heads."""
+    return SHARED_ROWS // (H_q // H_kv)
+
+
+def prefix_groups(tables: list[list[int]], context_lens: list[int], P: int, max_members: int) -> list[int]:
+    """Groups of consecutive decodes (block tables `tables`, contexts `context_lens` with their new tokens) whose
+    tables begin with the same blocks -> [first, members, shared tokens] of each group, flat.
+
+    The second member sets a group's shared tokens: the blocks it has in common with the first, wholly before both
+    their new tokens, in whole tiles (TILE_TOKENS); a later decode joins only if it has those too. A group holds at
+    least one tile and 2 .. max_members decodes; a decode sharing less goes on alone or starts the next group."""
+    groups: list[int] = []
+    b, B = 0, len(tables)
+    while b + 1 < B and max_members > 1:
+        lead, end, shared = tables[b], b + 1, 0
+        while end < B and end - b < max_members and tables[end][0] == lead[0]:
+            other = tables[end]
+            if not shared:
+                blocks = _common_blocks(lead, other, (min(context_lens[b], context_lens[end]) - 1) // P)
+                shared = blocks * P // TILE_TOKENS * TILE_TOKENS
+                if not shared:
+                    break
+            elif context_lens[end] <= shared or other[: -(-shared // P)] != lead[: -(-shared // P)]:
+                break
+            end += 1
+        if end - b > 1 and shared:
+            groups += [b, end - b, shared]
+            b = end
+        else:
+            b += 1
+    return groups
+
+
+def _common_blocks(a: list[int], b: list[int], most: int) -> int:
+    """How many leading blocks of `a` and `b`, at most `most`, are the same: one slice comparison where all are
+    (a request's completions), else a binary search of them."""
+    if a[:most] == b[:most]:
+        return most
+    lo, hi = 0, most  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     """Splits per (request, KV head) for `pairs` of them, `tiles` tiles long, when the GPU runs
     `slots` programs at once.
@@ -270,16 +463,17 @@ def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     return max(range(least, most + 1), key=lambda n: (tiles / (n * -(-tiles // n)), n))
 
 
-def _constexprs(H_q: int, H_kv: int, D: int, P: int, tiles: Tiles, window: int = 0) -> dict[str, int]:
+def _constexprs(H_q: int, H_kv: int, D: int, P: int, tiles: Tiles, window: int = 0, shared: bool = False
+                ) -> dict[str, int]:
     """The kernel's compile-time parameters for one shape (the same whatever the split count); `window`: the
-    sliding window's keys (0: none)."""
+    sliding window's keys (0: none); `shared`: its decodes' groups' shared tokens are the shared kernel's."""
     group = H_q // H_kv
     group_p2 = triton.next_power_of_2(group)
     D_PAD = padded_head_dim(D)
     return dict(
         GROUP=group, GROUP_ROWS=max(MIN_DOT, group_p2), GROUP_P2=group_p2,
         MERGE_TILE=max(1, MERGE_ELEMENTS // (group_p2 * D_PAD)), D=D, D_PAD=D_PAD, P=P, BLOCK_N=tiles.block_n,
-        WINDOW=window, num_warps=NUM_WARPS, num_stages=tiles.num_stages,
+        WINDOW=window, SHARED=shared, num_warps=NUM_WARPS, num_stages=tiles.num_stages,
     )
 
 
@@ -291,8 +485,9 @@ def compiled_kernel(device: torch.device, dtype: torch.dtype, H_q: int, H_kv: in
     f32, i32, D_PAD = torch.float32, torch.int32, padded_head_dim(D)
     with torch.cuda.device(device):  # Triton compiles and loads for the current device
         kernel = _split_kernel.warmup(
-            dtype, dtype, dtype, i32, i32, f32, f32, i32, dtype, 1.0, 1,
+            dtype, dtype, dtype, i32, i32, f32, f32, i32, dtype, i32, f32, f32, 0, 1.0, 1,
             H_q * D, D, 1, P * H_kv * D, H_kv * D, D, 1, 1, 16 * D_PAD, 16 * D_PAD, D_PAD, 1, 16, 16, 1, H_q * D, D, 1,
+            16 * D_PAD, 16 * D_PAD, D_PAD, 1, 16, 16, 1,
             grid=(1,), **_constexprs(H_q, H_kv, D, P, tiles), **dependent_launch(device),
         )
         kernel._init_handles()  # loads the binary: its register count is known from here
@@ -326,6 +521,7 @@ def resident_programs(
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, splits: DecodeSplits, out: torch.Tensor, window: int | None = None,
+    shared: SharedPrefixes | None = None,
 ) -> torch.Tensor:
     """Attention of q [T_total, H_q, D] over k_cache/v_cache [N, P, H_kv, D] -> out [T_total, H_q, D].
 
@@ -339,10 +535,24 @@ def decode_attention(
     _, H_q, D = q.shape
     _, P, _, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.shape[2] == H_kv and splits.arrivals.is_contiguous()
+    table_tokens, pdl = block_tables.shape[1] * P, dependent_launch(q.device)
+    if window:
+        shared = None
+    if shared is not None:
+        D_PAD, tiles = padded_head_dim(D), splits.tiles
+        _shared_kernel[(shared.num_splits, H_kv, shared.groups.shape[0])](
+            q, k_cache, v_cache, block_tables, shared.groups, shared.o, shared.lse, scale * LOG2E, table_tokens,
+            *q.stride(), *k_cache.stride(), block_tables.stride(0), *shared.o.stride(), *shared.lse.stride(),
+            GROUP=H_q // H_kv, ROWS=SHARED_ROWS, D=D, D_PAD=D_PAD, P=P, BLOCK_N=tiles.block_n, num_warps=NUM_WARPS,
+            num_stages=tiles.num_stages, **pdl,
+        )
+    # without groups the shared arguments are the splits' own scratch, never read
+    lens, o, lse = (shared.lens, shared.o, shared.lse) if shared is not None else (context_lens, splits.o, splits.lse)
     _split_kernel[(splits.lse.shape[2], H_kv, B)](
         q, k_cache, v_cache, block_tables, context_lens, splits.o, splits.lse, splits.arrivals, out,
-        scale * LOG2E, block_tables.shape[1] * P,
+        lens, o, lse, lse.shape[2] if shared is not None else 0, scale * LOG2E, table_tokens,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *splits.o.stride(), *splits.lse.stride(),
-        *out.stride(), **_constexprs(H_q, H_kv, D, P, splits.tiles, window or 0), **dependent_launch(q.device),
+        *out.stride(), *o.stride(), *lse.stride(),
+        **_constexprs(H_q, H_kv, D, P, splits.tiles, window or 0, shared is not None), **pdl,
     )
     return out
