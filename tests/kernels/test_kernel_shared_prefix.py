@@ -15,7 +15,13 @@ from tests.kernels.paged_case import (
     reference,
 )
 from weft.attention.kernels import DecodeSplits, decode_attention
-from weft.attention.kernels.decode import TILE_TOKENS, SharedPrefixes, max_group_members, prefix_groups
+from weft.attention.kernels.decode import (
+    TILE_TOKENS,
+    SharedPrefixes,
+    _common_blocks,
+    max_group_members,
+    prefix_groups,
+)
 
 pytestmark = pytest.mark.kernels
 gpu = pytest.mark.gpu
@@ -137,3 +143,15 @@ def test_prefix_groups():
 
 def test_max_group_members():
     assert [max_group_members(h, 8) for h in (8, 16, 32, 64, 128, 256)] == [16, 8, 4, 2, 1, 0]
+
+
+@pytest.mark.parametrize(("a", "b", "most", "expected"), [
+    ([1, 2, 3, 4], [1, 2, 3, 4], 4, 4),
+    ([1, 2, 3, 4], [1, 2, 3, 4], 2, 2),  # capped
+    ([1, 2, 3, 4], [1, 2, 9, 4], 4, 2),  # a block alike after the first that differs
+    ([1, 2, 3, 4, 5], [1, 9, 3, 4, 5], 5, 1),  # ...which the search by positions lands past: the slices set it right
+    ([1, 2, 3, 4], [9, 2, 3, 4], 4, 0),
+    ([1, 2, 3, 4], [1, 2, 3, 4], 0, 0),
+])  # fmt: skip
+def test_common_blocks_is_the_longest_common_prefix(a, b, most, expected):
+    assert _common_blocks(a, b, most) == expected

@@ -432,11 +432,21 @@ def prefix_groups(tables: list[list[int]], context_lens: list[int], P: int, max_
 
 
 def _common_blocks(a: list[int], b: list[int], most: int) -> int:
-    """How many leading blocks of `a` and `b`, at most `most`, are the same: one slice comparison where all are
-    (a request's completions), else a binary search of them."""
-    if a[:most] == b[:most]:
-        return most
-    lo, hi = 0, most  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    """How many leading blocks of `a` and `b`, at most `most`, are the same.
+
+    Two tables hold one block at one position only where both took it, and all before it, from the prefix cache:
+    a binary search of single positions finds where they part, and one comparison of the slices before confirms it
+    (else a binary search of slices)."""
+    lo, hi = 0, most + 1  # a[lo - 1] == b[lo - 1] (or lo = 0), a[hi - 1] != b[hi - 1] (or hi = most + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid
+    if a[:lo] == b[:lo]:
+        return lo
+    lo, hi = 0, lo  # a[:lo] == b[:lo], a[:hi] != b[:hi]
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if a[:mid] == b[:mid]:
