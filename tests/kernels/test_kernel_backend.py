@@ -9,6 +9,7 @@ import torch
 
 from tests.kernels.paged_case import PagedCase, assert_matches, make_case, reference
 from weft.attention import get_backend
+from weft.attention.kernels.decode import MAX_SHARED_SPLITS
 from weft.attention.kernels.tiles import MAX_HEAD_DIM
 from weft.attention.triton import TritonBackend
 from weft.config import ModelConfig
@@ -210,12 +211,24 @@ def test_forward_with_decode_groups_fp32(device):
     assert_matches(backend.forward(LAYER, case.q, k, v, step), reference(case, 64**-0.5))
 
 
+def test_groups_too_few_to_fill_half_the_gpu_are_not_formed(device):
+    """A step's groups whose shared-kernel programs would fill under half of the GPU's slots go ungrouped."""
+    case, _ = grouped_case(torch.float32, device)
+    backend, _, _ = backend_for(case)
+    tables, lens = case.block_tables[:4].tolist(), case.context_lens[:4].tolist()
+    for slots, expected in ((2 * 1 * 2 * MAX_SHARED_SPLITS, [0, 3, 128]), (2 * 1 * 2 * MAX_SHARED_SPLITS + 1, [])):
+        backend.__dict__["_slots"] = slots  # one group, H_kv = 2
+        assert backend.prefix_groups(tables, lens) == expected
+
+
 @pytest.mark.parametrize(("groups", "shared_lens", "match"), [
     ([0, 3, 128], [128, 128, 0, 0, 0], "shared_lens"),
     ([0, 3, 100], [100, 100, 100, 0, 0], "whole tiles"),
     ([0, 4, 128], [128, 128, 128, 128, 0], "do not all share"),
     ([3, 2, 64], [0, 0, 0, 64, 64], "2 or more of the 4 decodes"),
     ([0, 1, 128], [128, 0, 0, 0, 0], "2 or more"),
+    ([0, 3, 64, 1, 2, 128], [64, 128, 128, 0, 0], "overlaps"),
+    ([1, 2, 128, 0, 2, 128], [128, 128, 128, 0, 0], "out of order"),
 ])  # fmt: skip
 def test_rejects_groups_that_do_not_share(device, groups, shared_lens, match):
     case, _ = grouped_case(torch.float32, device)

@@ -19,13 +19,22 @@ not used there; nor are the groups, which follow the batch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from weft.attention.base import AttentionMetadata
 from weft.attention.kernels import DecodeSplits, decode_attention, grouped_attention, prefill_attention, write_kv
-from weft.attention.kernels.decode import TILE_TOKENS, SharedPrefixes, max_group_members, prefix_groups
+from weft.attention.kernels.decode import (
+    TILE_TOKENS,
+    SharedPrefixes,
+    fills_half_a_wave,
+    max_group_members,
+    prefix_groups,
+    resident_programs,
+    tile_options,
+)
 from weft.attention.kernels.tiles import MAX_HEAD_DIM
 from weft.attention.paged import PagedSlab
 from weft.config import ModelConfig
@@ -56,9 +65,19 @@ class TritonBackend(PagedSlab[TritonStep]):
         return not self.batch_invariant and max_group_members(self.cfg.H_q, self.cfg.H_kv) > 1
 
     def prefix_groups(self, tables: list[list[int]], context_lens: list[int]) -> list[int]:
+        """The decodes' groups, if there are enough of them to fill half the GPU (`fills_half_a_wave`)."""
         if not self.shares_prefixes:
             return []
-        return prefix_groups(tables, context_lens, self.block_size, max_group_members(self.cfg.H_q, self.cfg.H_kv))
+        cfg = self.cfg
+        groups = prefix_groups(tables, context_lens, self.block_size, max_group_members(cfg.H_q, cfg.H_kv))
+        return groups if fills_half_a_wave(len(groups) // 3, cfg.H_kv, self._slots) else []
+
+    @functools.cached_property
+    def _slots(self) -> int:
+        """How many programs of the split kernel, in shallow tiles, the GPU holds at once."""
+        cfg, cache = self.cfg, self.kv_cache
+        return resident_programs(cache.device, cache.dtype, cfg.H_q, cfg.H_kv, cfg.D, self.block_size,
+                                 tile_options(cache.dtype)[-1])
 
     def plan(self, meta: AttentionMetadata) -> TritonStep:
         splits = shared = None
@@ -163,9 +182,13 @@ class TritonBackend(PagedSlab[TritonStep]):
         """Each group: 2 or more of the decodes, whose tables begin with the blocks of its shared tokens, in whole tiles
         before each member's new token; shared_lens their shared tokens (0 outside the groups)."""
         ctx, tables, P = meta.context_lens.tolist(), meta.block_tables, self.block_size
-        want = [0] * meta.num_requests
+        want, after = [0] * meta.num_requests, 0  # the first decode no group before holds
         for first, members, shared in meta.decode_groups.tolist():
             last = first + members - 1
+            if first < after:
+                raise ValueError(f"triton: group ({first}, {members}, {shared}) overlaps the one before it, or is "
+                                 "out of order")
+            after = last + 1
             if first < 0 or members < 2 or last >= meta.num_decodes or shared < 1 or shared % TILE_TOKENS:
                 raise ValueError(f"triton: group ({first}, {members}, {shared}) is not 2 or more of the "
                                  f"{meta.num_decodes} decodes sharing whole tiles of {TILE_TOKENS} tokens")

@@ -397,6 +397,15 @@ class SharedPrefixes:
         return self.lse.shape[2]
 
 
+def fills_half_a_wave(num_groups: int, H_kv: int, slots: int) -> bool:
+    """Whether a step's `num_groups` groups are worth the shared kernel on a GPU of `slots` programs (the split
+    kernel's, shallow tiles): its programs, at most MAX_SHARED_SPLITS per (group, KV head), fill at least half a
+    wave, as `best_num_splits` asks of the split kernel's. Fewer would leave the memory idle while they walk the
+    shared tokens, which the split kernel alone reads in parallel (once per member, the repeats mostly from the L2
+    where the members sit side by side)."""
+    return 2 * num_groups * H_kv * MAX_SHARED_SPLITS >= slots
+
+
 def max_group_members(H_q: int, H_kv: int) -> int:
     """The most decodes one group holds: as many as the shared kernel's rows hold their query heads."""
     return SHARED_ROWS // (H_q // H_kv)
