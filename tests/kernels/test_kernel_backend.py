@@ -212,13 +212,16 @@ def test_forward_with_decode_groups_fp32(device):
 
 
 def test_groups_too_few_to_fill_half_the_gpu_are_not_formed(device):
-    """A step's groups whose shared-kernel programs would fill under half of the GPU's slots go ungrouped."""
+    """A step's groups whose shared-kernel programs would fill under half of the GPU's slots go ungrouped; in
+    deterministic mode no decodes are grouped."""
     case, _ = grouped_case(torch.float32, device)
     backend, _, _ = backend_for(case)
     tables, lens = case.block_tables[:4].tolist(), case.context_lens[:4].tolist()
     for slots, expected in ((2 * 1 * 2 * MAX_SHARED_SPLITS, [0, 3, 128]), (2 * 1 * 2 * MAX_SHARED_SPLITS + 1, [])):
         backend.__dict__["_slots"] = slots  # one group, H_kv = 2
         assert backend.prefix_groups(tables, lens) == expected
+    backend.batch_invariant = True  # EngineConfig.deterministic: a group would follow the batch
+    assert backend.prefix_groups(tables, lens) == [] and not backend.shares_prefixes
 
 
 @pytest.mark.parametrize(("groups", "shared_lens", "match"), [
