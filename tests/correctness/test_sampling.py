@@ -12,6 +12,7 @@ import torch
 
 from tests.correctness.test_sampler import settings
 from weft import LLM, RequestOutputKind, SamplingParams
+from weft.attention import BACKENDS, GPU_ONLY
 from weft.attention.triton import TritonBackend
 from weft.inference.cuda_graphs import DecodeGraphs
 from weft.inference.engine import LLMEngine
@@ -198,41 +199,61 @@ def test_n_completions_are_single_requests_seeded_seed_plus_index_sharing_the_pr
     assert hits >= 2 * 32 and prefilled <= len(prompt) + 2 * (len(prompt) - 32)
 
 
-@pytest.mark.gpu
-def test_completions_decode_as_a_group_that_reads_their_prompt_once(monkeypatch):
-    """With the triton backend a request's completions, side by side, decode as one group: their prompt's shared
-    blocks are read once for all of them (weft.attention.kernels.decode.prefix_groups). Their tokens are those of the
-    same engine with no groups, beside a request of its own (a mixed first step), every step's groups checked. Two
-    groups decode together, then one (the other's completions are done): a graph's group slots are emptied again."""
-    # 147 and 140 tokens: 9 and 8 whole blocks of 16, two tiles shared either way
+def grouped_and_not(monkeypatch, device: str) -> tuple[list, list[list[int]]]:
+    """Three requests on the triton backend, with decodes grouped and not: the outputs of each run and the groups
+    found at each step of the first. Two of them have n completions: 147 and 140 tokens, 9 and 8 whole blocks of 16,
+    two tiles shared either way; one decodes 3 tokens, the other 8, so two groups decode together, then one."""
     prompts = [list(range(3, 150)), list(range(300, 440)), list(range(200, 260))]
     params = [SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True),
               SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=7, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)]
     found: list[list[int]] = []
-    own, replay = TritonBackend.prefix_groups, DecodeGraphs.forward
-    grouped_replays = []
+    own = TritonBackend.prefix_groups
 
     def spied(self, tables, context_lens):
         found.append(own(self, tables, context_lens))
         return found[-1]
 
+    monkeypatch.setattr(TritonBackend, "_slots", 1)  # one group is enough to fill this "GPU": it is grouped
+    outputs = []
+    for groups in (spied, lambda self, tables, context_lens: []):
+        monkeypatch.setattr(TritonBackend, "prefix_groups", groups)
+        with LLM("tiny-llama", attention="triton", dtype="float32", num_blocks=64, device=device) as llm:
+            outputs.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)])
+    return outputs, found
+
+
+def assert_grouped_as_not(outputs: list, found: list[list[int]]) -> None:
+    """The same tokens with groups as without; every group shares two tiles; two groups decode, then one."""
+    assert outputs[0] == outputs[1]
+    assert all(g[2::3] == [128] * (len(g) // 3) for g in found)
+    two = [i for i, g in enumerate(found) if len(g) == 6]
+    assert two and any(len(g) == 3 for g in found[two[-1] :])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the triton backend's kernels in Triton's interpreter: CPU only")
+def test_completions_decode_as_a_group_through_the_engine_in_the_interpreter(monkeypatch):
+    """A request's completions, side by side, decode as one group whose prompt's shared blocks are read once
+    (weft.attention.kernels.decode.prefix_groups): through the engine, its runner and the backend, every step's
+    groups checked, with the kernels in Triton's interpreter (the config serves triton only on CUDA: let it here).
+    Their tokens are those of the same engine with no groups, beside a request of its own (a mixed first step)."""
+    monkeypatch.setattr("weft.inference.config.available_backends", lambda device=None: [*BACKENDS, *GPU_ONLY])
+    assert_grouped_as_not(*grouped_and_not(monkeypatch, "cpu"))
+
+
+@pytest.mark.gpu
+def test_completions_decode_as_a_group_in_cuda_graphs(monkeypatch):
+    """As in the interpreter, on the GPU: decode steps replay CUDA graphs with groups and without, and a graph's
+    group slots are emptied again when a group is done."""
+    replay, grouped_replays = DecodeGraphs.forward, []
+
     def counted(self, input_ids, positions, meta):
         grouped_replays.append(meta.decode_groups is not None)
         return replay(self, input_ids, positions, meta)
 
-    monkeypatch.setattr(TritonBackend, "_slots", 1)  # one group is enough to fill this "GPU": it is grouped
     monkeypatch.setattr(DecodeGraphs, "forward", counted)
-    outputs = []
-    for groups in (spied, lambda self, tables, context_lens: []):
-        monkeypatch.setattr(TritonBackend, "prefix_groups", groups)
-        with LLM("tiny-llama", attention="triton", dtype="float32", num_blocks=64, device="cuda") as llm:
-            outputs.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)])
-    assert outputs[0] == outputs[1]
-    assert all(g[2::3] == [128] * (len(g) // 3) for g in found)
-    two = [i for i, g in enumerate(found) if len(g) == 6]
-    assert two and any(len(g) == 3 for g in found[two[-1] :])  # two groups, then one
-    assert any(grouped_replays) and not all(grouped_replays)  # decode steps replayed graphs with groups, and without
+    assert_grouped_as_not(*grouped_and_not(monkeypatch, "cuda"))
+    assert any(grouped_replays) and not all(grouped_replays)
 
 
 def test_a_requests_completions_run_side_by_side(tiny):
