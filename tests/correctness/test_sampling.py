@@ -202,11 +202,11 @@ def test_n_completions_are_single_requests_seeded_seed_plus_index_sharing_the_pr
 def grouped_and_not(monkeypatch, device: str) -> tuple[list, list[list[int]]]:
     """Three requests on the triton backend, with decodes grouped and not: the outputs of each run and the groups
     found at each step of the first. Two of them have n completions: 147 and 140 tokens, 9 and 8 whole blocks of 16,
-    two tiles shared either way; one decodes 3 tokens, the other 8, so two groups decode together, then one."""
+    two tiles shared either way; one decodes 3 tokens, the other 6, so two groups decode together, then one."""
     prompts = [list(range(3, 150)), list(range(300, 440)), list(range(200, 260))]
-    params = [SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True),
+    params = [SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5, ignore_eos=True),
               SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=7, ignore_eos=True),
-              SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)]
+              SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)]
     found: list[list[int]] = []
     own = TritonBackend.prefix_groups
 
