@@ -9,7 +9,16 @@ import torch
 
 from tests.kernels.test_kernel_penalize import rules_for
 from weft.layers import sampler
-from weft.layers.sampler import GROUP, GROUP_TOP_MAX_K, LogitRules, SamplingTensors, adjust, group_top, sample
+from weft.layers.sampler import (
+    GROUP,
+    GROUP_TOP_MAX_K,
+    GUMBEL_CHUNK,
+    LogitRules,
+    SamplingTensors,
+    adjust,
+    group_top,
+    sample,
+)
 
 pytestmark = pytest.mark.kernels
 
@@ -59,6 +68,19 @@ def test_a_seeded_row_draws_the_pytorch_ops_token(device, monkeypatch, dtype, B,
     want, got = both(logits, t, monkeypatch)
     assert got.tolist() == want.tolist()
     assert got[0] == logits[0].argmax()  # the greedy row
+
+
+def test_a_draw_with_nothing_filtered_takes_the_first_of_equal_maxima_across_chunks(device, monkeypatch):
+    """Greedy rows through the Gumbel-max kernel (nothing filtered), their largest logit in two chunks: the first
+    column, as torch.argmax takes, unless the later one is larger."""
+    V = GUMBEL_CHUNK + 100
+    logits = torch.zeros(2, V, device=device)
+    logits[:, 7] = logits[:, GUMBEL_CHUNK + 3] = 5.0
+    logits[1, 7] = 4.0
+    t = settings(2, V, None, device)
+    t.temperature.zero_()
+    monkeypatch.setattr(sampler, "on_kernels", lambda x: True)
+    assert sample(logits, t).tolist() == [7, GUMBEL_CHUNK + 3]
 
 
 @pytest.mark.parametrize("K", [3, None])

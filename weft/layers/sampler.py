@@ -22,7 +22,7 @@ from weft.utils import cdiv
 
 MASK32 = 0xFFFFFFFF
 HASH_MUL = 0x45D9F3B  # < 2**31: a 32-bit value times it never overflows int64
-_MASK32, _HASH_MUL = tl.constexpr(MASK32), tl.constexpr(HASH_MUL)  # the same, for the kernels
+_HASH_MUL = tl.constexpr(HASH_MUL)  # the same, for the kernels
 
 
 @dataclass
@@ -182,7 +182,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors | None, rules: LogitRules | 
         return logits.argmax(dim=-1)
     if not t.filtered:  # every token kept: the Gumbel-max draw over all of them, by token id, needs no ranking
         if kernels:
-            return _launch(_gumbel_max_kernel, logits, logits, None, t, V, BLOCK=2048)
+            return gumbel_max(logits, t)
         scaled = logits / t.temperature.clamp_min(1e-6)[:, None]  # float32: the temperature's dtype, in one pass
         ids = torch.arange(V, device=logits.device).expand(B, V)
         u = torch.where(t.seeded[:, None], hashed_uniform(t.seed, t.position, ids), torch.rand_like(scaled))
@@ -299,65 +299,85 @@ def _group_top_kernel(
     tl.store(ids_ptr + base + spare, g * GROUP, mask=left)
 
 
-def _launch(kernel, values: torch.Tensor, ids: torch.Tensor, greedy: torch.Tensor | None, t: SamplingTensors,
-            width: int, **constexprs: int) -> torch.Tensor:
-    """One program per row of values [B, width]: a draw kernel's launch -> token ids [B] int64. An unseeded row's
-    uniforms come from Philox under a seed drawn from torch's CPU generator (on the host: no device sync)."""
+def _launch(kernel, values: torch.Tensor, ids: torch.Tensor, greedy: torch.Tensor, t: SamplingTensors, width: int,
+            **constexprs: int) -> torch.Tensor:
+    """One program per row of values [B, width]: a draw kernel's launch -> token ids [B] int64."""
     B = values.shape[0]
     assert values.stride(1) == 1 and ids.stride(1) == 1
     out = torch.empty(B, dtype=torch.int64, device=values.device)
-    step_seed = int(torch.randint(2**31 - 1, ()))
-    kernel[(B,)](values, ids, greedy if greedy is not None else out, t.temperature, t.top_k, t.top_p, t.min_p,
-                 t.seeded.view(torch.int8), t.seed, t.position, out, width, values.stride(0), ids.stride(0),
-                 *t.seed.stride(), step_seed, **constexprs)
+    kernel[(B,)](values, ids, greedy, t.temperature, t.top_k, t.top_p, t.min_p, t.seeded.view(torch.int8), t.seed,
+                 t.position, out, width, values.stride(0), ids.stride(0), *t.seed.stride(), _step_seed(),
+                 **constexprs)
     return out
+
+
+def _step_seed() -> int:
+    """The Philox seed of a step's unseeded rows, drawn from torch's CPU generator (on the host: no device sync)."""
+    return int(torch.randint(2**31 - 1, ()))
+
+
+GUMBEL_CHUNK = 4096  # the columns of a row one program of the Gumbel-max draw takes
+
+
+def gumbel_max(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logits [B, V] -> token ids [B] int64: each row's argmax of logit / T + Gumbel noise (T = 0: of the logits),
+    the first of equal ones, as `sample`'s PyTorch ops draw with nothing filtered.
+
+    A program per GUMBEL_CHUNK columns of a row leaves its chunk's best score and id; the argmax over the chunks
+    (the first of equal ones, so the lowest id) picks the row's. One program per row would walk V alone: at
+    V = 151,936 and B = 64, about a third of a millisecond a step."""
+    (B, V), C = logits.shape, triton.cdiv(logits.shape[1], GUMBEL_CHUNK)
+    assert logits.stride(1) == 1
+    best = torch.empty(B, C, dtype=torch.float32, device=logits.device)
+    at = torch.empty(B, C, dtype=torch.int64, device=logits.device)
+    _gumbel_max_kernel[(B, C)](logits, t.temperature, t.seeded.view(torch.int8), t.seed, t.position, best, at, V,
+                               logits.stride(0), best.stride(0), *t.seed.stride(), _step_seed(),
+                               CHUNK=GUMBEL_CHUNK, num_warps=8)
+    return at.gather(1, best.argmax(dim=1, keepdim=True))[:, 0]
 
 
 @triton.jit
 def _mix32(x):
-    """_mix in the kernels: the same integer hash of int64 values in [0, 2**32)."""
-    x = ((x >> 16) ^ x) * _HASH_MUL & _MASK32
-    x = ((x >> 16) ^ x) * _HASH_MUL & _MASK32
+    """_mix in the kernels, on uint32 (whose products wrap at 2**32, as _mix's masks do)."""
+    x = ((x >> 16) ^ x) * _HASH_MUL
+    x = ((x >> 16) ^ x) * _HASH_MUL
     return (x >> 16) ^ x
 
 
 @triton.jit
 def _uniforms(seed_ptr, stride_s0, stride_s1, position_ptr, seeded, row, tokens, offsets, step_seed):
-    """hashed_uniform of the row's tokens where it is seeded, else Philox uniforms at `offsets`."""
-    h = _mix32(tl.load(seed_ptr + row * stride_s0) ^ _mix32(tl.load(seed_ptr + row * stride_s0 + stride_s1)))
-    h = _mix32(h ^ (tl.load(position_ptr + row) & _MASK32))
-    x = _mix32(h ^ (tokens & _MASK32))
-    hashed = ((x.to(tl.float64) + 0.5) / 4294967296.0).to(tl.float32)
-    hashed = tl.minimum(tl.maximum(hashed, 1e-7), 1 - 1e-7)
-    return tl.where(seeded != 0, hashed, tl.rand(step_seed, offsets))
+    """hashed_uniform of the row's tokens (int32 or int64, below 2**31) where it is seeded, else Philox uniforms at
+    `offsets`: only the one the row needs is computed."""
+    if seeded != 0:
+        low = tl.load(seed_ptr + row * stride_s0).to(tl.uint32)
+        high = tl.load(seed_ptr + row * stride_s0 + stride_s1).to(tl.uint32)
+        h = _mix32(_mix32(low ^ _mix32(high)) ^ tl.load(position_ptr + row).to(tl.uint32))
+        x = _mix32(h ^ tokens.to(tl.uint32))
+        u = ((x.to(tl.float64) + 0.5) * 2.3283064365386963e-10).to(tl.float32)  # / 2**32: exact, as hashed_uniform's
+        u = tl.minimum(tl.maximum(u, 1e-7), 1 - 1e-7)
+    else:
+        u = tl.rand(step_seed, offsets)
+    return u
 
 
 @triton.jit(do_not_specialize=["step_seed"])  # a new seed every step: never a recompile
 def _gumbel_max_kernel(
-    logits_ptr, ids_ptr, greedy_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeded_ptr, seed_ptr,
-    position_ptr, out_ptr, V, stride_l, stride_i, stride_s0, stride_s1, step_seed, BLOCK: tl.constexpr,
+    logits_ptr, temperature_ptr, seeded_ptr, seed_ptr, position_ptr, best_ptr, at_ptr, V, stride_l, stride_b,
+    stride_s0, stride_s1, step_seed, CHUNK: tl.constexpr,
 ):
-    """Row r's token: argmax over its V logits of logit / T + Gumbel noise (T = 0: of the logits as they are),
-    the first of equal ones, as torch.argmax takes."""
-    row = tl.program_id(0)
+    """Chunk c of row r: the best of logit / T + Gumbel noise over its columns (T = 0: of the logits, no noise
+    drawn) and its id, the first of equal ones."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
     T = tl.load(temperature_ptr + row)
-    seeded = tl.load(seeded_ptr + row)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_at = tl.full((), 0, tl.int64)
-    for start in range(0, V, BLOCK):
-        col = start + tl.arange(0, BLOCK)
-        ok = col < V
-        x = tl.load(logits_ptr + row * stride_l + col, mask=ok, other=float("-inf")).to(tl.float32)
-        u = _uniforms(seed_ptr, stride_s0, stride_s1, position_ptr, seeded, row, col.to(tl.int64), row * V + col,
-                      step_seed)
-        drawn = tl.math.div_rn(x, tl.maximum(T, 1e-6)) - tl.log(-tl.log(u))
-        score = tl.where(ok, tl.where(T == 0, x, drawn), float("-inf"))
-        tile_best = tl.max(score, 0)
-        at = start + tl.argmax(score, 0, tie_break_left=True).to(tl.int64)
-        better = tile_best > best
-        best_at = tl.where(better, at, best_at)
-        best = tl.where(better, tile_best, best)
-    tl.store(out_ptr + row, best_at)
+    col = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = col < V
+    x = tl.load(logits_ptr + row * stride_l + col, mask=ok, other=float("-inf")).to(tl.float32)
+    if T != 0:
+        u = _uniforms(seed_ptr, stride_s0, stride_s1, position_ptr, tl.load(seeded_ptr + row), row, col,
+                      row * V + col, step_seed)
+        x = tl.where(ok, tl.math.div_rn(x, tl.maximum(T, 1e-6)) - tl.log(-tl.log(u)), float("-inf"))
+    tl.store(best_ptr + row * stride_b + chunk, tl.max(x, 0))
+    tl.store(at_ptr + row * stride_b + chunk, chunk * CHUNK + tl.argmax(x, 0, tie_break_left=True).to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["step_seed"])
