@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from weft import LLM, SamplingParams
+from weft.attention.base import CacheSlots
 from weft.attention.paged import PagedBackend
 from weft.benchmark.replay import Arrival, replay_ticks
 from weft.inference.cuda_graphs import (
@@ -107,6 +108,31 @@ def test_the_cut_leaves_attentions_inputs_in_its_buffers_by_either_path(device, 
         else:
             out = cut.forward(0, *apply_rotary(q, k, cos, sin, norms, kernels=True), v, None)
         assert out.data_ptr() == buffers.out.data_ptr()  # the eager attention between the replays fills it
+        assert cut.pieces.stored == [False]  # k and v in the buffers: the eager part stores them
         left.append([buffers.q[:T].clone(), buffers.k[:T].clone(), buffers.v[:T].clone()])
     assert all(torch.equal(a, b) for a, b in zip(*left, strict=True))
     assert torch.equal(left[0][2], v)
+
+
+def test_the_cut_with_a_store_leaves_k_and_v_in_the_cache_at_its_slots(device):
+    """Given where to store (a backend whose slots are rows of its cache), the cut's RoPE kernel stores each token's
+    K/V at its slot, a padding row's (-1) nowhere, and leaves the rotated q in the buffer: the eager part between the
+    replays then only attends (the kernels: Triton's interpreter on the CPU)."""
+    T, H_q, H_kv, D, rows = 5, 4, 2, 16, 16
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(T, h, D, generator=g).to(device) for h in (H_q, H_kv, H_kv))
+    cos, sin = RotaryEmbedding(D, 1e4, 64).to(device)(torch.arange(T, device=device), torch.float32)
+    slots = torch.tensor([3, 9, -1, 0, 14], device=device)
+    k_rows, v_rows = (torch.zeros(rows, H_kv, D, device=device) for _ in range(2))
+    buffers = AttentionBuffers.allocate(8, H_q, H_kv, D, torch.float32, device)
+    cut = AttentionCut(buffers.first(T), None, lambda layer: CacheSlots(slots, k_rows, v_rows))
+    at = cut.cache_slots(0, None)
+    cut.attend(0, rotate_into_cache(q, k, v, cos, sin, at.slot_mapping, at.k_rows, at.v_rows, None), None)
+    assert cut.pieces.stored == [True]
+    q_want, k_want = apply_rotary(q, k, cos, sin, None, kernels=True)
+    assert torch.equal(buffers.q[:T], q_want)
+    kept = slots >= 0
+    assert torch.equal(k_rows[slots[kept]], k_want[kept]) and torch.equal(v_rows[slots[kept]], v[kept])
+    untouched = torch.ones(rows, dtype=torch.bool, device=device)
+    untouched[slots[kept]] = False
+    assert not k_rows[untouched].any() and not v_rows[untouched].any()

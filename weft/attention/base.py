@@ -149,6 +149,11 @@ class AttentionBackend(ABC, Generic[StepT]):
         None (the default) where slots are not rows of the cache."""
         return None
 
+    def cache_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `layer`'s K and V as rows [N * P, H_kv, D], one per slot, where `cache_slots` gives slots (a
+        piecewise graph's kernels store at slots of their own); None (the default) where it gives none."""
+        return None
+
     @abstractmethod
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepT) -> None:
         """Store this step's k/v [T_total, H_kv, D] in layer `layer`'s cache."""

@@ -30,9 +30,12 @@ class PagedSlab(AttentionBackend[SlabStepT]):
         return (2, cfg.L, num_blocks, block_size, cfg.H_kv, cfg.D)
 
     def cache_slots(self, layer: int, step: SlabStepT) -> CacheSlots:
-        """Layer `layer`'s K and V as rows [N * P, H_kv, D], one per slot (views of the slab)."""
+        return CacheSlots(step.meta.slot_mapping, *self.cache_rows(layer))
+
+    def cache_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the slab."""
         k_rows, v_rows = (self.kv_cache[i, layer].flatten(0, 1) for i in (0, 1))
-        return CacheSlots(step.meta.slot_mapping, k_rows, v_rows)
+        return k_rows, v_rows
 
 
 class PagedBackend(PagedSlab[PaddedStep]):

@@ -11,8 +11,10 @@ more than running them. So, once per pool, the forward is captured and then repl
   next to nothing and leave every real row's result alone.
 - `PiecewiseGraphs`, everything but attention: any other step (prefills, prefill chunks beside
   decodes) per padded token count, as L + 1 graphs cut at each layer's attention, which runs eagerly
-  between them on the step's real tokens and metadata, whatever their mix of requests. Every op in
-  the graphs works row by row, so padding rows (stale inputs of earlier steps) change no real row.
+  between them on the step's real tokens and metadata, whatever their mix of requests. Where the
+  backend's slots are rows of its cache, the graphs' RoPE kernel stores each layer's K/V there, at
+  slots the step copies in (padding rows: -1, stored nowhere), so the eager part only attends. Every op
+  in the graphs works row by row, so padding rows (stale inputs of earlier steps) change no real row.
   While they are captured the model's attention is `AttentionCut`, which implements the model's
   `Attention` as a backend does, with static buffers in place of the cache.
 """
@@ -20,6 +22,7 @@ more than running them. So, once per pool, the forward is captured and then repl
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic
 
@@ -177,6 +180,7 @@ class Pieces:
 
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     hidden: torch.Tensor | None = None  # [T, E]
+    stored: list[bool] = field(default_factory=list)  # per layer: its K/V stored in the cache by the graphs
 
 
 @dataclass
@@ -204,13 +208,15 @@ class AttentionBuffers:
 
 
 class AttentionCut:
-    """The model's `Attention` while it is captured piecewise: each layer's call leaves its q, k and v in the
-    buffers (a kernel storing K/V there as it would in a cache, at `cache_slots`), ends the graph being captured
-    and begins the next, and returns the output buffer, which the eager attention between the replays fills.
-    With no graph pool it only fills the buffers: a warm-up run. It has no step state (None)."""
+    """The model's `Attention` while it is captured piecewise: each layer's call leaves its q in the buffers, its
+    k and v either in the cache, at the slots `store(layer)` gives (RoPE's kernel storing them, as in an eager
+    step), or else in the buffers (the kernel storing them there as it would in a cache, at `cache_slots`); it ends
+    the graph being captured and begins the next, and returns the output buffer, which the eager attention between
+    the replays fills. With no graph pool it only runs: a warm-up. It has no step state (None)."""
 
-    def __init__(self, buffers: AttentionBuffers, pool: tuple[int, int] | None) -> None:
-        self.buffers, self.pool, self.pieces = buffers, pool, Pieces()
+    def __init__(self, buffers: AttentionBuffers, pool: tuple[int, int] | None,
+                 store: Callable[[int], CacheSlots] | None = None) -> None:
+        self.buffers, self.pool, self.store, self.pieces = buffers, pool, store, Pieces()
         self._begin()
 
     def _begin(self) -> None:
@@ -223,16 +229,23 @@ class AttentionCut:
             self.pieces.graphs[-1].capture_end()
 
     def cache_slots(self, layer: int, step: None) -> CacheSlots:
-        """The k and v buffers as the rows of a cache, token t's at row t."""
+        """`store`'s slots in the cache, else the k and v buffers as the rows of a cache, token t's at row t."""
+        self.pieces.stored.append(self.store is not None)
+        if self.store is not None:
+            return self.store(layer)
         b = self.buffers
         return CacheSlots(b.rows, b.k, b.v)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: None) -> torch.Tensor:
+        self.pieces.stored.append(False)
         self.buffers.k.copy_(k)
         self.buffers.v.copy_(v)
-        return self.attend(layer, q, step)
+        return self._cut(q)
 
     def attend(self, layer: int, q: torch.Tensor, step: None) -> torch.Tensor:
+        return self._cut(q)
+
+    def _cut(self, q: torch.Tensor) -> torch.Tensor:
         self.buffers.q.copy_(q)
         self.end()
         self._begin()
@@ -251,6 +264,8 @@ class PiecewiseGraphs(Generic[StepT]):
         self.input_ids = torch.zeros(T_max, dtype=torch.int64, device=cache.device)
         self.positions = torch.zeros(T_max, dtype=torch.int64, device=cache.device)
         self.buffers = AttentionBuffers.allocate(T_max, cfg.H_q, cfg.H_kv, cfg.D, cache.dtype, cache.device)
+        # where the graphs store K/V in the cache (backends whose slots are rows of it): -1 on padding rows
+        self.slot_mapping = torch.full((T_max,), -1, dtype=torch.int64, device=cache.device)
         self.captured: dict[int, Pieces] = {}
         self.replays = 0
         self._capture()
@@ -264,10 +279,11 @@ class PiecewiseGraphs(Generic[StepT]):
         stream = torch.cuda.Stream()  # captures must not run on the default stream
         for T in reversed(self.sizes):  # the largest first, so that the smaller ones reuse its memory
             ids, positions, buffers = self.input_ids[:T], self.positions[:T], self.buffers.first(T)
-            self.model(ids, positions, AttentionCut(buffers, None), None)  # warm-up: compiles, picks GEMMs
+            store = self._store(T)
+            self.model(ids, positions, AttentionCut(buffers, None, store), None)  # warm-up: compiles, picks GEMMs
             torch.cuda.synchronize()
             with torch.cuda.stream(stream):
-                cut = AttentionCut(buffers, pool)
+                cut = AttentionCut(buffers, pool, store)
                 try:
                     hidden = self.model(ids, positions, cut, None)
                 except BaseException:  # end the capture left open, so that the stream and the process stay usable
@@ -279,17 +295,32 @@ class PiecewiseGraphs(Generic[StepT]):
             self.captured[T] = cut.pieces
         torch.cuda.synchronize()
 
+    def _store(self, T: int) -> Callable[[int], CacheSlots] | None:
+        """Where the graph of T tokens stores each layer's K/V: the cache's rows, at the first T of `slot_mapping`;
+        None where the backend's slots are not rows of its cache."""
+        if self.attn.cache_rows(0) is None:
+            return None
+        slots = self.slot_mapping[:T]
+        return lambda layer: CacheSlots(slots, *self.attn.cache_rows(layer))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A step of T new tokens (`serves` it; inputs as the eager forward's) -> hidden [T, E], a view of the
         graphs' output: use it before the next replay."""
         T = input_ids.shape[0]
-        pieces = self.captured[next(s for s in self.sizes if s >= T)]
+        size = next(s for s in self.sizes if s >= T)
+        pieces = self.captured[size]
         self.input_ids[:T].copy_(input_ids)
         self.positions[:T].copy_(positions)
+        if any(pieces.stored):
+            self.slot_mapping[:T].copy_(meta.slot_mapping)
+            self.slot_mapping[T:size].fill_(-1)  # an earlier, longer step's slots
         step, b = self.attn.prepare(meta), self.buffers.first(T)
         for layer, graph in enumerate(pieces.graphs[:-1]):
             graph.replay()
-            self.attn.forward(layer, b.q, b.k, b.v, step, b.out)
+            if pieces.stored[layer]:
+                self.attn.attend(layer, b.q, step, b.out)
+            else:
+                self.attn.forward(layer, b.q, b.k, b.v, step, b.out)
         pieces.graphs[-1].replay()
         self.replays += 1
         return pieces.hidden[:T]

@@ -482,6 +482,7 @@ def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
     return max(range(least, most + 1), key=lambda n: (tiles / (n * -(-tiles // n)), n))
 
 
+@functools.cache  # every layer of every step asks (never mutated: its callers unpack it)
 def _constexprs(H_q: int, H_kv: int, D: int, P: int, tiles: Tiles, window: int = 0, shared: bool = False
                 ) -> dict[str, int]:
     """The kernel's compile-time parameters for one shape (the same whatever the split count); `window`: the
