@@ -11,6 +11,7 @@ from weft.attention.base import CacheSlots
 from weft.attention.paged import PagedBackend
 from weft.benchmark.replay import Arrival, replay_ticks
 from weft.inference.cuda_graphs import (
+    MIXED_PREFILLS,
     AttentionBuffers,
     AttentionCut,
     DecodeGraphs,
@@ -73,12 +74,36 @@ def test_graphs_match_eager(reference, scheduler, attention, mode):
             outputs[graphed] = [o.outputs[0].token_ids for o in replay_ticks(llm.llm_engine, arrived)]
             decode_graphs = graphed and mode.startswith("FULL") and attention == "triton"
             assert (runner.graphs is not None) == decode_graphs
+            assert (runner.mixed is not None) == (decode_graphs and mode == "FULL_AND_PIECEWISE")
             assert (runner.pieces is not None) == (graphed and mode.endswith("PIECEWISE"))
             if decode_graphs:
                 assert runner.graphs.sizes == [1, 2, 4, 8] and runner.graphs.replays > 0
-            if runner.pieces is not None:
+            if runner.mixed is not None:  # every other step: at most 5 prompts, so none is left to the pieces
+                assert runner.mixed.sizes == [8, 16] and runner.mixed.replays > 0 and runner.pieces.replays == 0
+            elif runner.pieces is not None:
                 assert runner.pieces.sizes == [8, 16] and runner.pieces.replays > 0
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.gpu
+def test_steps_of_more_prompts_than_a_mixed_graph_holds_run_piecewise(reference):
+    """MIXED_PREFILLS + 2 short prompts and a long one at once, 6 new tokens each: the first step holds more prompts
+    than a mixed graph does (the long one's first chunk among them) and replays piecewise, the next (the long one's
+    last chunk beside the decodes) a mixed graph, the rest decode graphs; the tokens are the eager forward's."""
+    ref = reference("tiny-qwen3")
+    tokens = [t for p in ref.prompts for t in p]
+    assert len(tokens) >= 60
+    prompts = [p[:3] for p in (ref.prompts * MIXED_PREFILLS)[: MIXED_PREFILLS + 2]] + [tokens[:60]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for mode in ("NONE", "FULL_AND_PIECEWISE"):
+        with LLM("tiny-qwen3", attention="triton", num_blocks=256, block_size=4, max_num_seqs=16,
+                 max_num_batched_tokens=48, dtype="float32", device="cuda", cudagraph_mode=mode) as llm:
+            outputs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            runner = llm.llm_engine.runner
+            if mode != "NONE":
+                assert runner.pieces.replays > 0 and runner.mixed.replays > 0 and runner.graphs.replays > 0
+    assert outputs["FULL_AND_PIECEWISE"] == outputs["NONE"]
 
 
 @pytest.mark.parametrize("with_norms", [False, True], ids=["rope", "norm-rope"])

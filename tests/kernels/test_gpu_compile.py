@@ -1,7 +1,8 @@
-"""The MoE's Triton kernels compiled for an H100/H200 (sm_90, bf16, the launches' constants) on any machine, GPU or
-not: the CPU tests run them in Triton's interpreter, which accepts code the GPU compiler refuses (the pair kernels'
-first `tl.dot` form passed the interpreter and failed to compile on the GPU: results/HISTORY.md). The compiler runs
-in a process of its own, without TRITON_INTERPRET (under it, `triton.jit` makes interpreted functions)."""
+"""The MoE's Triton kernels, and the attention kernels' forms for a mixed steps' CUDA graph (early exits past the
+step's counts), compiled for an H100/H200 (sm_90, bf16, the launches' constants) on any machine, GPU or not: the CPU
+tests run them in Triton's interpreter, which accepts code the GPU compiler refuses (the pair kernels' first `tl.dot`
+form passed the interpreter and failed to compile on the GPU: results/HISTORY.md). The compiler runs in a process of
+its own, without TRITON_INTERPRET (under it, `triton.jit` makes interpreted functions)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,25 @@ import pytest
 pytestmark = pytest.mark.kernels
 
 POINTERS = {"ids_ptr": "*i64", "pairs_ptr": "*i64", "block_expert_ptr": "*i64", "counters_ptr": "*i32",
-            "counts_ptr": "*i32"}  # every other pointer: bf16
+            "counts_ptr": "*i32", "table_ptr": "*i32", "context_lens_ptr": "*i32", "arrivals_ptr": "*i32",
+            "shared_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32",
+            "shared_o_ptr": "*fp32", "shared_lse_ptr": "*fp32"}  # every other pointer: bf16
+SCALARS = {"scale_log2": "fp32"}  # every other scalar: i32
 
 
 def kernels() -> list[tuple[object, dict[str, object]]]:
-    """(kernel, its constexprs) as weft.layers.moe launches them for the Qwen3-30B-A3B shape (E 2048, 128 experts,
-    top 8)."""
+    """(kernel, its constexprs, its warps and stages) as weft.layers.moe launches them for the Qwen3-30B-A3B shape (E
+    2048, 128 experts, top 8), and the attention kernels counted, for Qwen3-0.6B's heads (16 and 8 of 128)."""
+    from weft.attention.kernels import decode, prefill
     from weft.layers import moe
 
     pair = dict(BLOCK_N=moe.PAIR_BLOCK_N, BLOCK_K=moe.PAIR_BLOCK_K, PDL=True)
     route = dict(TOP_K=8, TOP_K_P2=8, BLOCK=128, NORM=True, PDL=True)
     grouped = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32")
     grouping = dict(EXPERTS_P2=128, CHUNK=moe.GROUP_CHUNK, TILE=moe.GROUP_TILE)
+    split = dict(decode._constexprs(16, 8, 128, 16, decode.SHALLOW_TILES, 0, False, True), PDL=True)
+    counted_prefill = dict(GROUP=2, D=128, D_PAD=128, P=16, BLOCK_M=prefill.BLOCK_M, BLOCK_N=64, WINDOW=0,
+                           COUNTED=True, num_warps=prefill.NUM_WARPS, num_stages=prefill.NUM_STAGES)
     return [
         (moe._pair_gate_up_kernel, pair),
         (moe._pair_down_kernel, dict(pair, TOP_K=8)),
@@ -36,6 +44,8 @@ def kernels() -> list[tuple[object, dict[str, object]]]:
         (moe._count_kernel, grouping),
         (moe._group_kernel, dict(grouping, BLOCK_M=64, COUNTED=False)),
         (moe._group_kernel, dict(grouping, BLOCK_M=64, COUNTED=True)),
+        (decode._split_kernel, split),
+        (prefill._prefill_kernel, counted_prefill),
     ]
 
 
@@ -45,11 +55,13 @@ def compile_all() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    for kernel, constants in kernels():
+    for kernel, launch in kernels():
+        constants = {k: v for k, v in launch.items() if k not in ("num_warps", "num_stages")}
+        options = {k: v for k, v in launch.items() if k in ("num_warps", "num_stages")}
         signature = {p.name: "constexpr" if p.is_constexpr else POINTERS.get(p.name, "*bf16")
-                     if p.name.endswith("_ptr") else "i32" for p in kernel.params}
+                     if p.name.endswith("_ptr") else SCALARS.get(p.name, "i32") for p in kernel.params}
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants),
-                                  target=GPUTarget("cuda", 90, 32), options=dict(enable_fp_fusion=False))
+                                  target=GPUTarget("cuda", 90, 32), options=dict(enable_fp_fusion=False, **options))
         assert compiled.asm.get("cubin"), kernel.fn.__name__
         print(kernel.fn.__name__, constants, "compiled")
 

@@ -47,6 +47,9 @@ class AttentionMetadata:
     # Groups of decodes that share their leading blocks (AttentionBackend.prefix_groups), None where there are none:
     decode_groups: torch.Tensor | None = None  # [G, 3] int32: a group's first decode, its members, its shared tokens
     shared_lens: torch.Tensor | None = None  # [B] int32: each request's shared tokens (0 outside the groups)
+    # [2] int32 on the device: the step's decodes and requests, where the host ints are the bounds a CUDA graph of
+    # mixed steps was planned for (AttentionBackend.counts_steps); None: the host ints are the step's own
+    counts: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -110,6 +113,12 @@ class AttentionBackend(ABC, Generic[StepT]):
     def block_bytes(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block costs across K, V and all layers: what pool sizing divides by."""
         return 2 * cfg.L * block_size * cfg.H_kv * cfg.D * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def counts_steps(self) -> bool:
+        """Whether it reads `AttentionMetadata.counts`, so that a CUDA graph planned for a mixed step's bounds serves
+        any step within them (weft.inference.cuda_graphs.MixedGraphs)."""
+        return False
 
     @property
     def shares_prefixes(self) -> bool:

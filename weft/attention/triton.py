@@ -61,6 +61,11 @@ class TritonBackend(PagedSlab[TritonStep]):
             raise ValueError(f"triton: head dimension D must be in [1, {MAX_HEAD_DIM}], got {cfg.D}")
 
     @property
+    def counts_steps(self) -> bool:
+        """The split and prefill kernels read the counts; the batch-invariant kernel's grid is the step's own."""
+        return not self.batch_invariant
+
+    @property
     def shares_prefixes(self) -> bool:
         return not self.batch_invariant and max_group_members(self.cfg.H_q, self.cfg.H_kv) > 1
 
@@ -111,11 +116,12 @@ class TritonBackend(PagedSlab[TritonStep]):
             return grouped_attention(q, k_cache, v_cache, table, meta.query_start_loc, ctx, self.scale, out, window)
         decodes = 0 if step.splits is None else meta.num_decodes
         if decodes:
-            decode_attention(q, k_cache, v_cache, table, ctx, self.scale, step.splits, out, window, step.shared)
+            decode_attention(q, k_cache, v_cache, table, ctx, self.scale, step.splits, out, window, step.shared,
+                             meta.counts)
         if decodes < meta.num_requests:
             prefill_attention(
                 q, k_cache, v_cache, table, meta.query_start_loc, ctx, meta.max_query_len, self.scale, out,
-                first_request=decodes, window=window,
+                first_request=decodes, window=window, counts=meta.counts,
             )
         return out
 

@@ -40,7 +40,7 @@ def top_ops(
 # A GPU kernel's class, by the first pattern its name contains (lower case); the rest is "other".
 KERNEL_CLASSES = (
     ("attention", ("_split_kernel", "_merge", "_prefill_kernel", "_grouped_kernel", "attention", "flash", "fmha")),
-    ("kv write", ("_write_kernel",)),  # only where the eager attention stores K/V (between piecewise graphs)
+    ("kv write", ("_write_kernel",)),  # only where attention stores K/V itself (slots that are not cache rows)
     ("norm", ("rms_norm",)),
     ("rope", ("_rotary",)),  # with Qwen3's q/k RMSNorms, and the K/V store where the backend gives cache_slots
     ("activation", ("_silu",)),

@@ -196,6 +196,7 @@ class WeftDriver:
             "max_num_seqs": c.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens,
             "decode_graphs": self.engine.runner.graphs is not None,  # what ran: a backend may have none to capture
+            "mixed_graphs": self.engine.runner.mixed is not None,
             "piecewise_graphs": self.engine.runner.pieces is not None,
             "prefix_caching": c.enable_prefix_caching,
             "chunked_prefill": c.enable_chunked_prefill,

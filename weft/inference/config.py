@@ -22,7 +22,8 @@ from weft.utils import as_int, as_real
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 CPU_KV_CACHE_BYTES = 4 << 30  # the CPU pool's default budget (kv_cache_memory_bytes); pages are taken as used
-# vLLM's names: decode steps from whole-forward graphs and other steps piecewise, or only one of the two
+# vLLM's names: decode steps from whole-forward graphs and other steps piecewise (and, where the backend counts its
+# steps on the device, steps of decodes and a few prompts whole too), or only one of the two
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE")
 CHUNKED_BUDGET = 8192  # max_num_batched_tokens' default with chunked prefill (vLLM's for its server)
 

@@ -9,8 +9,14 @@ more than running them. So, once per pool, the forward is captured and then repl
   buffers. A decode step of B requests copies its inputs there, pads them to the next captured size
   and replays one graph. Padding rows write nothing (slot -1) and read one cached token, so they cost
   next to nothing and leave every real row's result alone.
-- `PiecewiseGraphs`, everything but attention: any other step (prefills, prefill chunks beside
-  decodes) per padded token count, as L + 1 graphs cut at each layer's attention, which runs eagerly
+- `MixedGraphs`, whole: a step of decodes beside at most MIXED_PREFILLS other requests (prompts,
+  prefill chunks), per padded token count, where the backend's kernels read how many decodes and
+  requests the step has from the device (`AttentionBackend.counts_steps`): each graph is planned for
+  as many decodes as its tokens (up to the largest batch) and MIXED_PREFILLS more requests, and the
+  programs past the step's counts exit. So a mixed step, too, is one replay, not L + 1 of them with
+  the attention launched between.
+- `PiecewiseGraphs`, everything but attention: any other step (more prefills, a backend that cannot
+  count, deterministic mode) per padded token count, as L + 1 graphs cut at each layer's attention, which runs eagerly
   between them on the step's real tokens and metadata, whatever their mix of requests. Where the
   backend's slots are rows of its cache, the graphs' RoPE kernel stores each layer's K/V there, at
   slots the step copies in (padding rows: -1, stored nowhere), so the eager part only attends. Every op
@@ -52,30 +58,59 @@ def graph_token_counts(max_tokens: int) -> list[int]:
 
 @dataclass
 class StaticInputs:
-    """The buffers every graph reads: rows [0, B) of each serve a graph of batch B."""
+    """The buffers every graph reads: rows [0, T) of the tokens' and [0, B) of the requests' serve a graph of T
+    tokens and B requests (a decode graph's T = B)."""
 
-    input_ids: torch.Tensor  # [B_max] int64
-    positions: torch.Tensor  # [B_max] int64
-    slot_mapping: torch.Tensor  # [B_max] int64; -1 on padding rows
-    query_start_loc: torch.Tensor  # [B_max+1] int32: 0, 1, 2, ... (one token per request)
+    input_ids: torch.Tensor  # [T_max] int64
+    positions: torch.Tensor  # [T_max] int64
+    slot_mapping: torch.Tensor  # [T_max] int64; -1 on padding rows
+    query_start_loc: torch.Tensor  # [B_max+1] int32: 0, 1, 2, ... (one token per request; a mixed step's copied)
     context_lens: torch.Tensor  # [B_max] int32; 1 on padding rows
     block_tables: torch.Tensor  # [B_max, max_blocks] int32: every entry a valid block
     decode_groups: torch.Tensor  # [B_max // 2, 3] int32: rows [0, B // 2) serve a graph with groups; 0 when empty
     shared_lens: torch.Tensor  # [B_max] int32; 0 outside the groups
+    counts: torch.Tensor  # [2] int32: a mixed step's decodes and requests (AttentionMetadata.counts)
     max_context_len: int  # max_blocks * P: the longest context the table holds
 
     @classmethod
-    def allocate(cls, B_max: int, max_blocks: int, P: int, device: torch.device) -> StaticInputs:
+    def allocate(cls, B_max: int, max_blocks: int, P: int, device: torch.device, T_max: int | None = None
+                 ) -> StaticInputs:
+        T_max = B_max if T_max is None else T_max
         return cls(
-            input_ids=torch.zeros(B_max, dtype=torch.int64, device=device),
-            positions=torch.zeros(B_max, dtype=torch.int64, device=device),
-            slot_mapping=torch.full((B_max,), -1, dtype=torch.int64, device=device),
+            input_ids=torch.zeros(T_max, dtype=torch.int64, device=device),
+            positions=torch.zeros(T_max, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((T_max,), -1, dtype=torch.int64, device=device),
             query_start_loc=torch.arange(B_max + 1, dtype=torch.int32, device=device),
             context_lens=torch.ones(B_max, dtype=torch.int32, device=device),
             block_tables=torch.zeros(B_max, max_blocks, dtype=torch.int32, device=device),
             decode_groups=torch.zeros(B_max // 2, 3, dtype=torch.int32, device=device),
             shared_lens=torch.zeros(B_max, dtype=torch.int32, device=device),
+            counts=torch.zeros(2, dtype=torch.int32, device=device),
             max_context_len=max_blocks * P,
+        )
+
+    def copy_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, size: int
+                    ) -> None:
+        """A step's T tokens into rows [0, T), padded to `size` with rows that store nothing."""
+        T = input_ids.shape[0]
+        self.input_ids[:T].copy_(input_ids)
+        self.positions[:T].copy_(positions)
+        self.slot_mapping[:T].copy_(slot_mapping)
+        self.slot_mapping[T:size].fill_(-1)
+
+    def mixed_meta(self, T: int, B: int) -> AttentionMetadata:
+        """A mixed step of up to T tokens, B decodes and MIXED_PREFILLS more requests: what a mixed graph is planned
+        for. The kernels read the step's own decodes and requests from `counts`."""
+        R = B + MIXED_PREFILLS
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:T],
+            query_start_loc=self.query_start_loc[: R + 1],
+            context_lens=self.context_lens[:R],
+            block_tables=self.block_tables[:R],
+            max_query_len=T,
+            max_context_len=self.max_context_len,
+            num_decodes=B,
+            counts=self.counts,
         )
 
     def meta(self, B: int, grouped: bool) -> AttentionMetadata:
@@ -131,15 +166,9 @@ class DecodeGraphs(Generic[StepT]):
         pool = torch.cuda.graph_pool_handle()
         # the largest batch first, so that the smaller ones reuse its memory from the shared pool
         for B in reversed(self.sizes):
-            ids, positions = self.inputs.input_ids[:B], self.inputs.positions[:B]
             for grouped in (False, True) if self.attn.shares_prefixes and B > 1 else (False,):
-                step = self.attn.plan(self.inputs.meta(B, grouped))
-                self.model(ids, positions, self.attn, step)  # warm-up: compiles kernels, picks GEMMs
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.model(ids, positions, self.attn, step)
-                self.captured[B, grouped] = CapturedStep(graph, hidden, step)
+                meta = self.inputs.meta(B, grouped)
+                self.captured[B, grouped] = capture(self.model, self.attn, self.inputs, B, meta, pool)
         torch.cuda.synchronize()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -152,10 +181,7 @@ class DecodeGraphs(Generic[StepT]):
         B = meta.num_requests
         size = next(s for s in self.sizes if s >= B)
         x = self.inputs
-        x.input_ids[:B].copy_(input_ids)
-        x.positions[:B].copy_(positions)
-        x.slot_mapping[:B].copy_(meta.slot_mapping)
-        x.slot_mapping[B:size].fill_(-1)
+        x.copy_tokens(input_ids, positions, meta.slot_mapping, size)
         x.context_lens[:B].copy_(meta.context_lens)
         x.context_lens[B:size].fill_(1)
         x.block_tables[:B, : meta.block_tables.shape[1]].copy_(meta.block_tables)
@@ -170,6 +196,77 @@ class DecodeGraphs(Generic[StepT]):
         captured.graph.replay()
         self.replays += 1
         return captured.hidden[:B]
+
+
+def capture(model: LlamaForCausalLM, attn: AttentionBackend[StepT], inputs: StaticInputs, T: int,
+            meta: AttentionMetadata, pool: tuple[int, int]) -> CapturedStep[StepT]:
+    """The forward of the first T tokens of `inputs` over `attn`, planned for `meta`, warmed up (its kernels compiled,
+    its GEMMs picked) and captured in `pool`."""
+    ids, positions, step = inputs.input_ids[:T], inputs.positions[:T], attn.plan(meta)
+    model(ids, positions, attn, step)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        hidden = model(ids, positions, attn, step)
+    return CapturedStep(graph, hidden, step)
+
+
+MIXED_PREFILLS = 8  # the most requests besides decodes a mixed graph holds: a step with more runs piecewise
+
+
+class MixedGraphs(Generic[StepT]):
+    """Forward passes of `model` of up to max_tokens new tokens (MAX_GRAPH_TOKENS at most) over `attn`'s pool, whole,
+    for steps of decodes and at most MIXED_PREFILLS other requests, captured per token count."""
+
+    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend[StepT], max_tokens: int, max_batch: int,
+                 max_model_len: int) -> None:
+        if not attn.counts_steps:
+            raise ValueError(f"{attn.name} attention cannot capture mixed steps whole")
+        self.model = model
+        self.attn = attn
+        self.sizes = graph_token_counts(min(max_tokens, MAX_GRAPH_TOKENS))
+        self.max_batch = min(max_batch, attn.max_decodes or max_batch)
+        T_max, max_blocks = self.sizes[-1], cdiv(max_model_len, attn.block_size)
+        self.inputs = StaticInputs.allocate(self.decodes(T_max) + MIXED_PREFILLS, max_blocks, attn.block_size,
+                                            attn.kv_cache.device, T_max)
+        self.captured: dict[int, CapturedStep[StepT]] = {}
+        self.replays = 0
+        self._capture()
+
+    def decodes(self, T: int) -> int:
+        """The decodes a graph of T tokens is planned for: as many as it has tokens, up to the largest batch."""
+        return min(T, self.max_batch)
+
+    def serves(self, meta: AttentionMetadata) -> bool:
+        return (meta.slot_mapping.shape[0] <= self.sizes[-1]
+                and meta.num_requests - meta.num_decodes <= MIXED_PREFILLS)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for T in reversed(self.sizes):  # the largest first, so that the smaller ones reuse its memory
+            self.captured[T] = capture(self.model, self.attn, self.inputs, T,
+                                       self.inputs.mixed_meta(T, self.decodes(T)), pool)
+        torch.cuda.synchronize()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A step of T new tokens (`serves` it; inputs as the eager forward's) -> hidden [T, E], a view of the
+        graph's output: use it before the next replay."""
+        if self.attn.check_steps:
+            self.attn.check(meta)
+        T, R = input_ids.shape[0], meta.num_requests
+        size = next(s for s in self.sizes if s >= T)
+        x = self.inputs
+        x.copy_tokens(input_ids, positions, meta.slot_mapping, size)
+        x.query_start_loc[: R + 1].copy_(meta.query_start_loc)
+        x.context_lens[:R].copy_(meta.context_lens)
+        x.block_tables[:R, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        x.counts[0].fill_(meta.num_decodes)
+        x.counts[1].fill_(R)
+        captured = self.captured[size]
+        captured.graph.replay()
+        self.replays += 1
+        return captured.hidden[:T]
 
 
 @dataclass

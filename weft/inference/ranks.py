@@ -21,7 +21,7 @@ import torch.distributed as dist
 from weft.config import ModelConfig
 from weft.distributed import TensorParallel
 from weft.inference.config import EngineConfig
-from weft.inference.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from weft.inference.cuda_graphs import DecodeGraphs, MixedGraphs, PiecewiseGraphs
 from weft.inference.pool import PoolPlan, plan_pool
 from weft.inference.runner import ModelRunner
 from weft.inference.sampling import SamplingState
@@ -117,13 +117,15 @@ def _runner(config: EngineConfig, local: ModelConfig, model: LlamaForCausalLM, p
     attn = config.backend(local, pool.num_blocks, pool.block_size, config.torch_dtype, device)
     attn.batch_invariant = config.deterministic
     mode = config.cudagraph_mode if device.type == "cuda" else "NONE"
-    graphs = pieces = None
+    graphs = mixed = pieces = None
     if mode.startswith("FULL") and attn.cuda_graphs:
         graphs = DecodeGraphs(model, attn, config.max_num_seqs, config.max_model_len)
+    if mode == "FULL_AND_PIECEWISE" and attn.counts_steps:
+        mixed = MixedGraphs(model, attn, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len)
     if mode.endswith("PIECEWISE"):
         pieces = PiecewiseGraphs(model, attn, config.max_num_batched_tokens)
     sampling = SamplingState(model.cfg.V, device, config.max_num_seqs, eos_token_ids) if tp.rank == 0 else None
-    return ModelRunner(model, attn, device, graphs, pieces, tp, sampling)
+    return ModelRunner(model, attn, device, graphs, pieces, tp, sampling, mixed)
 
 
 def _free_port() -> int:

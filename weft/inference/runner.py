@@ -2,11 +2,12 @@
 
 It flattens the batch into T_total tokens and builds the attention metadata once per
 step (host lists -> one transfer), runs the model (from CUDA graphs where it has them: a
-decode step whole, another piecewise), and samples one token for every sequence whose known tokens are
-all in the cache after this step, in two calls that return as soon as their work is queued on the
-device: `launch_forward`, then `launch_sampling` (the sampled ids on their way to the host), so that
-the engine can land the steps before in between while the forward runs. A sequence whose newest token
-has not landed yet (the engine's overlap) reads it on the device, from the last step's ids.
+decode step whole, a step of decodes and a few prompts whole, another piecewise), and samples
+one token for every sequence whose known tokens are all in the cache after this step, in two
+calls that return as soon as their work is queued on the device: `launch_forward`, then
+`launch_sampling` (the sampled ids on their way to the host), so that the engine can land the
+steps before in between while the forward runs. A sequence whose newest token has not landed
+yet (the engine's overlap) reads it on the device, from the last step's ids.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from weft.attention.base import AttentionBackend, AttentionMetadata
 from weft.distributed import SINGLE, TensorParallel
-from weft.inference.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from weft.inference.cuda_graphs import DecodeGraphs, MixedGraphs, PiecewiseGraphs
 from weft.inference.logprobs import Entries, as_dict, logprob_entries
 from weft.inference.sampling import SamplingState, device_tensor
 from weft.inference.scheduler import ScheduledBatch, StepOutput
@@ -206,15 +207,17 @@ class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, attn: AttentionBackend, device: torch.device, graphs: DecodeGraphs | None = None,
         pieces: PiecewiseGraphs | None = None, tp: TensorParallel = SINGLE, sampling: SamplingState | None = None,
+        mixed: MixedGraphs | None = None,
     ) -> None:
         self.model = model
         self.attn = attn
         self.device = device
         self.sampling = sampling  # rank 0's (the others never sample): the rows' settings, rules and token counts
         self.tp = tp  # the model's slice; rank 0 sends every step to the other ranks
-        if any(g is not None and g.attn is not attn for g in (graphs, pieces)):
+        if any(g is not None and g.attn is not attn for g in (graphs, mixed, pieces)):
             raise ValueError("the CUDA graphs were captured over another KV pool")
         self.graphs = graphs  # decode steps replayed from CUDA graphs captured over `attn`
+        self.mixed = mixed  # steps of decodes and a few prompts, whole
         self.pieces = pieces  # other steps replayed piecewise around `attn`
 
     def prepare(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> StepInputs:
@@ -251,6 +254,8 @@ class ModelRunner:
         (every rank runs it)."""
         if self.graphs is not None and self.graphs.serves(x.meta):
             hidden = self.graphs.forward(x.input_ids, x.positions, x.meta)  # [B, E]
+        elif self.mixed is not None and self.mixed.serves(x.meta):
+            hidden = self.mixed.forward(x.input_ids, x.positions, x.meta)  # [T_total, E]
         elif self.pieces is not None and self.pieces.serves(x.meta):
             hidden = self.pieces.forward(x.input_ids, x.positions, x.meta)  # [T_total, E]
         else:

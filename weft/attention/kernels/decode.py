@@ -43,7 +43,7 @@ MERGE_ELEMENTS = 2048  # float32 values of the splits' outputs the merge reads a
     "shared_splits",
 ])
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, context_lens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, context_lens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr, counts_ptr,
     shared_lens_ptr, shared_o_ptr, shared_lse_ptr, shared_splits,
     scale_log2, table_tokens,
     stride_qb, stride_qh, stride_qd,
@@ -56,7 +56,7 @@ def _split_kernel(
     stride_tb, stride_th, stride_ts,
     GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUP_P2: tl.constexpr, MERGE_TILE: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-    SHARED: tl.constexpr, PDL: tl.constexpr,
+    SHARED: tl.constexpr, COUNTED: tl.constexpr, PDL: tl.constexpr,
 ):
     follow(PDL)
     # Splits vary fastest in the grid, so that the programs dispatched last (which the memory serves
@@ -65,6 +65,9 @@ def _split_kernel(
     split = tl.program_id(0)
     h_kv = tl.program_id(1)
     b = tl.program_id(2)
+    if COUNTED:  # planned for more decodes than the step has (a mixed steps' CUDA graph): counts[0] are
+        if b >= tl.load(counts_ptr):
+            return
     num_splits = tl.num_programs(0)
     # Split s takes tiles s, s + num_splits, s + 2 * num_splits, ... of its request's context: no
     # split gets more than one tile over another, a short request's programs finish early, and the
@@ -483,17 +486,18 @@ def best_num_splits(pairs: int, tiles: int, slots: int) -> int:
 
 
 @functools.cache  # every layer of every step asks (never mutated: its callers unpack it)
-def _constexprs(H_q: int, H_kv: int, D: int, P: int, tiles: Tiles, window: int = 0, shared: bool = False
-                ) -> dict[str, int]:
+def _constexprs(H_q: int, H_kv: int, D: int, P: int, tiles: Tiles, window: int = 0, shared: bool = False,
+                counted: bool = False) -> dict[str, int]:
     """The kernel's compile-time parameters for one shape (the same whatever the split count); `window`: the
-    sliding window's keys (0: none); `shared`: its decodes' groups' shared tokens are the shared kernel's."""
+    sliding window's keys (0: none); `shared`: its decodes' groups' shared tokens are the shared kernel's;
+    `counted`: the step's decodes are counted on the device."""
     group = H_q // H_kv
     group_p2 = triton.next_power_of_2(group)
     D_PAD = padded_head_dim(D)
     return dict(
         GROUP=group, GROUP_ROWS=max(MIN_DOT, group_p2), GROUP_P2=group_p2,
         MERGE_TILE=max(1, MERGE_ELEMENTS // (group_p2 * D_PAD)), D=D, D_PAD=D_PAD, P=P, BLOCK_N=tiles.block_n,
-        WINDOW=window, SHARED=shared, num_warps=NUM_WARPS, num_stages=tiles.num_stages,
+        WINDOW=window, SHARED=shared, COUNTED=counted, num_warps=NUM_WARPS, num_stages=tiles.num_stages,
     )
 
 
@@ -505,7 +509,7 @@ def compiled_kernel(device: torch.device, dtype: torch.dtype, H_q: int, H_kv: in
     f32, i32, D_PAD = torch.float32, torch.int32, padded_head_dim(D)
     with torch.cuda.device(device):  # Triton compiles and loads for the current device
         kernel = _split_kernel.warmup(
-            dtype, dtype, dtype, i32, i32, f32, f32, i32, dtype, i32, f32, f32, 0, 1.0, 1,
+            dtype, dtype, dtype, i32, i32, f32, f32, i32, dtype, i32, i32, f32, f32, 0, 1.0, 1,
             H_q * D, D, 1, P * H_kv * D, H_kv * D, D, 1, 1, 16 * D_PAD, 16 * D_PAD, D_PAD, 1, 16, 16, 1, H_q * D, D, 1,
             16 * D_PAD, 16 * D_PAD, D_PAD, 1, 16, 16, 1,
             grid=(1,), **_constexprs(H_q, H_kv, D, P, tiles), **dependent_launch(device),
@@ -541,15 +545,15 @@ def resident_programs(
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, splits: DecodeSplits, out: torch.Tensor, window: int | None = None,
-    shared: SharedPrefixes | None = None,
+    shared: SharedPrefixes | None = None, counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [T_total, H_q, D] over k_cache/v_cache [N, P, H_kv, D] -> out [T_total, H_q, D].
 
-    Computes the first B requests, B being the number `splits` was planned for: request b's
-    one new token is q row b, and its tokens 0 .. context_lens[b]-1 (int32 [>= B]) sit in
-    blocks block_tables[b] (int32 [>= B, max_blocks]). Rows from B on are left alone (a mixed
-    step's prefills); `window`: the query sees only the last `window` of them (a sliding window). Inputs are
-    trusted (the backend's `check` validates them).
+    Computes the first B requests, B being the number `splits` was planned for (with `counts`, int32 [>= 1] on
+    the device, the first counts[0] of them): request b's one new token is q row b, and its tokens 0 ..
+    context_lens[b]-1 (int32 [>= B]) sit in blocks block_tables[b] (int32 [>= B, max_blocks]). Rows from B on are
+    left alone (a mixed step's prefills); `window`: the query sees only the last `window` of them (a sliding
+    window). Inputs are trusted (the backend's `check` validates them).
     """
     B, H_kv = splits.arrivals.shape
     _, H_q, D = q.shape
@@ -570,9 +574,10 @@ def decode_attention(
     lens, o, lse = (shared.lens, shared.o, shared.lse) if shared is not None else (context_lens, splits.o, splits.lse)
     _split_kernel[(splits.lse.shape[2], H_kv, B)](
         q, k_cache, v_cache, block_tables, context_lens, splits.o, splits.lse, splits.arrivals, out,
-        lens, o, lse, lse.shape[2] if shared is not None else 0, scale * LOG2E, table_tokens,
+        counts if counts is not None else context_lens, lens, o, lse, lse.shape[2] if shared is not None else 0,
+        scale * LOG2E, table_tokens,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *splits.o.stride(), *splits.lse.stride(),
         *out.stride(), *o.stride(), *lse.stride(),
-        **_constexprs(H_q, H_kv, D, P, splits.tiles, window or 0, shared is not None), **pdl,
+        **_constexprs(H_q, H_kv, D, P, splits.tiles, window or 0, shared is not None, counts is not None), **pdl,
     )
     return out

@@ -33,18 +33,22 @@ SEARCH = 256  # requests whose first tiles a grouped program compares at once
 # Values that change from step to step are not specialized on: no recompiling mid-run.
 @triton.jit(do_not_specialize=["first_request", "num_m_tiles", "stride_table"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, query_start_loc_ptr, context_lens_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, query_start_loc_ptr, context_lens_ptr, counts_ptr,
     scale_log2, first_request, num_m_tiles,
     stride_qt, stride_qh, stride_qd,
     stride_kn, stride_kp, stride_kh, stride_kd,
     stride_table,
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, COUNTED: tl.constexpr,
 ):
     # Longest-running tiles (the last rows of a request) first, so short ones fill the tail.
     m_tile = num_m_tiles - 1 - tl.program_id(0)
     b = first_request + tl.program_id(1)
+    if COUNTED:  # planned for more requests than the step has (a mixed steps' CUDA graph): its decodes, then its
+        b = tl.load(counts_ptr) + tl.program_id(1)  # requests, are counts[0] and counts[1]
+        if b >= tl.load(counts_ptr + 1):
+            return
     h = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
@@ -195,14 +199,17 @@ def prefill_attention(
     out: torch.Tensor,
     first_request: int = 0,
     window: int | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T_total, H_q, D] over k_cache/v_cache [N, P, H_kv, D] -> out [T_total, H_q, D].
 
     Request b's new tokens are q rows query_start_loc[b] .. query_start_loc[b+1]-1 (int32
     [B+1]); its context_lens[b] (int32 [B]) tokens, these included, sit in blocks
     block_tables[b] (int32 [B, max_blocks]). Only requests first_request .. B-1 are computed
-    (their rows of out); `window`: each query sees only the `window` keys up to itself (a sliding window).
-    Inputs are trusted (the backend validates them).
+    (their rows of out); with `counts` (int32 [2] on the device: the step's decodes and requests, where the
+    host ints are a CUDA graph's bounds) requests counts[0] .. counts[1]-1, at most B - first_request of them;
+    `window`: each query sees only the `window` keys up to itself (a sliding window). Inputs are trusted (the
+    backend validates them).
     """
     _, H_q, D = q.shape
     _, P, H_kv, _ = k_cache.shape
@@ -212,10 +219,10 @@ def prefill_attention(
     block_n = kv_tile_tokens(D_PAD, q.element_size())
     _prefill_kernel[(num_m_tiles, context_lens.shape[0] - first_request, H_q)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
-        scale * LOG2E, first_request, num_m_tiles,
+        counts if counts is not None else context_lens, scale * LOG2E, first_request, num_m_tiles,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=H_q // H_kv, D=D, D_PAD=D_PAD, P=P, BLOCK_M=BLOCK_M, BLOCK_N=block_n, WINDOW=window or 0,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        COUNTED=counts is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
 
