@@ -1,12 +1,14 @@
 """Triton backend: the paged slab [2, L, N, P, H_kv, D] (weft.attention.paged), read in place by Triton kernels.
 
-Writes are RoPE's kernel's (`cache_slots`) or, in the eager attention between piecewise graphs, one
-kernel per layer (slots < 0 skipped). Reads follow the block table inside the kernels, so nothing is
-gathered into a padded copy: a step's decodes (one new token each) run split-KV flash-decoding, its
-other requests a causal flash-attention kernel over the cache; a mixed step launches both, each on its
-own requests. In a model's sliding-window layers both read only the window's keys. Decodes whose tables
-begin with the same blocks (a request's n completions, a cached prompt prefix) are grouped, and a first
-kernel reads each group's shared blocks once (weft.attention.kernels.decode.prefix_groups).
+Writes are RoPE's kernel's (`cache_slots`; in piecewise graphs too, at their own slots) or else one
+kernel per layer (`write`, slots < 0 skipped). Reads follow the block table inside the kernels, so
+nothing is gathered into a padded copy: a step's decodes (one new token each) run split-KV
+flash-decoding, its other requests a causal flash-attention kernel over the cache; a mixed step
+launches both, each on its own requests (in a mixed steps' CUDA graph, planned for more, both read the
+step's counts of decodes and requests from the device, and their programs past them exit). In a
+model's sliding-window layers both read only the window's keys. Decodes whose tables begin with the
+same blocks (a request's n completions, a cached prompt prefix) are grouped, and a first kernel reads
+each group's shared blocks once (weft.attention.kernels.decode.prefix_groups).
 
 Batch-invariant (EngineConfig.deterministic), every request goes to one launch of `grouped_attention`,
 decodes as requests of one new token: one compiled program, a KV head's query heads in its rows, folds
