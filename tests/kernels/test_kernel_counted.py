@@ -54,3 +54,30 @@ def test_a_graphs_bounds_compute_only_the_counted_requests(device, dtype, decode
                       counts=counts)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert not got[:T].isnan().any() and got[T:].isnan().all()
+
+
+def test_a_graph_serves_only_steps_it_splits_as_finely_as_their_own_plans(monkeypatch):
+    """A mixed graph of 512 tokens is planned for 256 decodes, so one split each (on the H200's 528 slots): it serves
+    a step of 200 decodes (one split of its own too), not one of 4 decodes of long contexts (whose own plan splits
+    them over most of the GPU)."""
+    from weft.attention import get_backend
+    from weft.attention.base import AttentionMetadata
+    from weft.attention.kernels import decode
+    from weft.config import ModelConfig
+
+    monkeypatch.setattr(decode, "resident_programs", lambda *args: 528)
+    cfg = ModelConfig(arch="qwen3", V=64, E=64, L=1, H_q=16, H_kv=8, D=128, intermediate=64, rms_eps=1e-6,
+                      rope_theta=1e4, max_model_len=4096, tie_word_embeddings=True)
+    attn = get_backend("triton")(cfg, 64, 16, torch.float32, torch.device("cpu"))
+
+    def meta(decodes: int, context: int, counts: torch.Tensor | None = None) -> AttentionMetadata:
+        B = decodes + 1  # and one prompt
+        return AttentionMetadata(torch.zeros(512, dtype=torch.int64), torch.zeros(B + 1, dtype=torch.int32),
+                                 torch.full((B,), context, dtype=torch.int32), torch.zeros(B, 4, dtype=torch.int32),
+                                 300, context, decodes, counts=counts)
+
+    graph = attn.plan(meta(256, 4096, torch.zeros(2, dtype=torch.int32)))
+    assert graph.splits.num_splits == 1
+    assert attn.plans_within(meta(200, 3000), graph)
+    assert not attn.plans_within(meta(4, 3000), graph)
+    assert attn.plans_within(meta(0, 3000), graph)

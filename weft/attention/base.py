@@ -120,6 +120,11 @@ class AttentionBackend(ABC, Generic[StepT]):
         any step within them (weft.inference.cuda_graphs.MixedGraphs)."""
         return False
 
+    def plans_within(self, meta: AttentionMetadata, step: StepT) -> bool:
+        """Whether `step`, planned for bounds (`counts_steps`: a mixed steps' CUDA graph), attends `meta`'s step about
+        as fast as the step's own plan would."""
+        return True
+
     @property
     def shares_prefixes(self) -> bool:
         """Whether `prefix_groups` ever finds groups."""

@@ -35,6 +35,7 @@ from weft.attention.kernels.decode import (
     max_group_members,
     prefix_groups,
     resident_programs,
+    split_plan,
     tile_options,
 )
 from weft.attention.kernels.tiles import MAX_HEAD_DIM
@@ -66,6 +67,16 @@ class TritonBackend(PagedSlab[TritonStep]):
     def counts_steps(self) -> bool:
         """The split and prefill kernels read the counts; the batch-invariant kernel's grid is the step's own."""
         return not self.batch_invariant
+
+    def plans_within(self, meta: AttentionMetadata, step: TritonStep) -> bool:
+        """Unless the step's own plan would split its decodes' contexts more than `step` does (planned for as many
+        decodes as a mixed graph has tokens): a few long contexts would be walked by too few programs."""
+        if not meta.num_decodes:
+            return True
+        cfg, cache = self.cfg, self.kv_cache
+        _, own = split_plan(meta.num_decodes, cfg.H_q, cfg.H_kv, cfg.D, self.block_size, cache.dtype,
+                            meta.max_context_len, cache.device)
+        return step.splits is not None and own <= step.splits.num_splits
 
     @property
     def shares_prefixes(self) -> bool:

@@ -238,8 +238,11 @@ class MixedGraphs(Generic[StepT]):
         return min(T, self.max_batch)
 
     def serves(self, meta: AttentionMetadata) -> bool:
-        return (meta.slot_mapping.shape[0] <= self.sizes[-1]
-                and meta.num_requests - meta.num_decodes <= MIXED_PREFILLS)
+        """A step of at most the largest token count and MIXED_PREFILLS requests besides its decodes, which its graph
+        attends about as fast as the step's own plan would (AttentionBackend.plans_within)."""
+        T = meta.slot_mapping.shape[0]
+        return (T <= self.sizes[-1] and meta.num_requests - meta.num_decodes <= MIXED_PREFILLS
+                and self.attn.plans_within(meta, self.captured[next(s for s in self.sizes if s >= T)].step))
 
     @torch.inference_mode()
     def _capture(self) -> None:

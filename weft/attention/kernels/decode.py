@@ -359,14 +359,25 @@ class DecodeSplits:
         cls, B: int, H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype, max_context_len: int,
         device: torch.device, num_splits: int | None = None,
     ) -> DecodeSplits:
-        """`num_splits` defaults to `best_num_splits` for this GPU's occupancy under the step's tiles."""
-        tiles = tiles_for(dtype, B * H_kv, lambda: resident_programs(device, dtype, H_q, H_kv, D, P, DEEP_TILES))
-        if num_splits is None:
-            slots = resident_programs(device, dtype, H_q, H_kv, D, P, tiles)
-            num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles.block_n), slots)
+        """`num_splits` defaults to `split_plan`'s."""
+        tiles, best = split_plan(B, H_q, H_kv, D, P, dtype, max_context_len, device)
+        num_splits = best if num_splits is None else num_splits
         o = torch.empty(B, H_q, num_splits, padded_head_dim(D), dtype=torch.float32, device=device)
         lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=device)
         return cls(tiles, o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
+
+    @property
+    def num_splits(self) -> int:
+        return self.lse.shape[2]
+
+
+def split_plan(B: int, H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype, max_context_len: int,
+               device: torch.device) -> tuple[Tiles, int]:
+    """The tiles of a step of B decodes whose longest context is max_context_len, and `best_num_splits` for this
+    GPU's occupancy under them."""
+    tiles = tiles_for(dtype, B * H_kv, lambda: resident_programs(device, dtype, H_q, H_kv, D, P, DEEP_TILES))
+    slots = resident_programs(device, dtype, H_q, H_kv, D, P, tiles)
+    return tiles, best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles.block_n), slots)
 
 
 @dataclass
