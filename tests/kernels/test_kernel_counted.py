@@ -43,9 +43,10 @@ def test_a_graphs_bounds_compute_only_the_counted_requests(device, dtype, decode
     tables = stale(case.block_tables, B + extra - R, 0)
     contexts_b = stale(case.context_lens, B + extra - R, 1)
     starts = stale(case.query_start_loc, B + extra - R, T)
-    counts = torch.tensor([decodes, R], dtype=torch.int32, device=device)
+    counts = torch.tensor([decodes, R, num_splits], dtype=torch.int32, device=device)
     got = torch.full_like(q, nan)
-    splits = DecodeSplits.plan(B, H_q, H_kv, D, P, dtype, tables.shape[1] * P, device, num_splits)
+    splits = DecodeSplits.plan_counted(B, H_q, H_kv, D, P, dtype, device)  # room for 6 splits here, or more
+    assert splits.num_splits >= decodes * num_splits
     splits.o.fill_(nan)
     decode_attention(q, case.k_cache, case.v_cache, tables, contexts_b, scale, splits, got, counts=counts)
     assert got[decodes:].isnan().all()  # the programs past the step's decodes stored nothing
@@ -56,10 +57,11 @@ def test_a_graphs_bounds_compute_only_the_counted_requests(device, dtype, decode
     assert not got[:T].isnan().any() and got[T:].isnan().all()
 
 
-def test_a_graph_serves_only_steps_it_splits_as_finely_as_their_own_plans(monkeypatch):
-    """A mixed graph of 512 tokens is planned for 256 decodes, so one split each (on the H200's 528 slots): it serves
-    a step of 200 decodes (one split of its own too), not one of 4 decodes of long contexts (whose own plan splits
-    them over most of the GPU)."""
+def test_a_graphs_steps_take_their_own_split_counts_within_its_grid(monkeypatch):
+    """A mixed graph of 512 tokens is planned for 256 decodes: a program (and a scratch slot) per decode, or per split
+    of fewer (at most a wave of programs over the KV heads: 528 // 8 splits on the H200's slots). A step of 200
+    decodes takes one split each, one of 4 decodes of long contexts more, one decode more still, as their own plans
+    would, and each fits the graph's grid."""
     from weft.attention import get_backend
     from weft.attention.base import AttentionMetadata
     from weft.attention.kernels import decode
@@ -67,7 +69,7 @@ def test_a_graph_serves_only_steps_it_splits_as_finely_as_their_own_plans(monkey
 
     monkeypatch.setattr(decode, "resident_programs", lambda *args: 528)
     cfg = ModelConfig(arch="qwen3", V=64, E=64, L=1, H_q=16, H_kv=8, D=128, intermediate=64, rms_eps=1e-6,
-                      rope_theta=1e4, max_model_len=4096, tie_word_embeddings=True)
+                      rope_theta=1e4, max_model_len=9000, tie_word_embeddings=True)
     attn = get_backend("triton")(cfg, 64, 16, torch.float32, torch.device("cpu"))
 
     def meta(decodes: int, context: int, counts: torch.Tensor | None = None) -> AttentionMetadata:
@@ -76,8 +78,13 @@ def test_a_graph_serves_only_steps_it_splits_as_finely_as_their_own_plans(monkey
                                  torch.full((B,), context, dtype=torch.int32), torch.zeros(B, 4, dtype=torch.int32),
                                  300, context, decodes, counts=counts)
 
-    graph = attn.plan(meta(256, 4096, torch.zeros(2, dtype=torch.int32)))
-    assert graph.splits.num_splits == 1
-    assert attn.plans_within(meta(200, 3000), graph)
-    assert not attn.plans_within(meta(4, 3000), graph)
-    assert attn.plans_within(meta(0, 3000), graph)
+    graph = attn.plan(meta(256, 4096, torch.zeros(4, dtype=torch.int32)))
+    assert graph.splits.num_splits == 256  # programs: one per decode, or 66 splits of one
+    taken = []
+    for decodes in (200, 4, 1):
+        own = attn.plan(meta(decodes, 9000)).splits.num_splits
+        assert attn.step_counts(meta(decodes, 9000), graph) == [decodes, decodes + 1, own]
+        assert decodes * own <= graph.splits.num_splits
+        taken.append(own)
+    assert taken[0] == 1 < taken[1] < taken[2] <= 66
+    assert attn.step_counts(meta(0, 3000), graph) == [0, 1, 1]

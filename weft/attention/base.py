@@ -47,8 +47,8 @@ class AttentionMetadata:
     # Groups of decodes that share their leading blocks (AttentionBackend.prefix_groups), None where there are none:
     decode_groups: torch.Tensor | None = None  # [G, 3] int32: a group's first decode, its members, its shared tokens
     shared_lens: torch.Tensor | None = None  # [B] int32: each request's shared tokens (0 outside the groups)
-    # [2] int32 on the device: the step's decodes and requests, where the host ints are the bounds a CUDA graph of
-    # mixed steps was planned for (AttentionBackend.counts_steps); None: the host ints are the step's own
+    # int32 on the device: the step's decodes, requests and what else the backend counts (AttentionBackend.step_counts),
+    # where the host ints are the bounds a CUDA graph of mixed steps was planned for; None: the host ints are the step's
     counts: torch.Tensor | None = None
 
     @property
@@ -120,10 +120,10 @@ class AttentionBackend(ABC, Generic[StepT]):
         any step within them (weft.inference.cuda_graphs.MixedGraphs)."""
         return False
 
-    def plans_within(self, meta: AttentionMetadata, step: StepT) -> bool:
-        """Whether `step`, planned for bounds (`counts_steps`: a mixed steps' CUDA graph), attends `meta`'s step about
-        as fast as the step's own plan would."""
-        return True
+    def step_counts(self, meta: AttentionMetadata, step: StepT) -> list[int]:
+        """`meta`'s step's counts (AttentionMetadata.counts) for `step`, a mixed steps' CUDA graph's plan
+        (`counts_steps`): its decodes, its requests, and what else the backend reads there."""
+        return [meta.num_decodes, meta.num_requests]
 
     @property
     def shares_prefixes(self) -> bool:

@@ -35,7 +35,6 @@ from weft.attention.kernels.decode import (
     max_group_members,
     prefix_groups,
     resident_programs,
-    split_plan,
     tile_options,
 )
 from weft.attention.kernels.tiles import MAX_HEAD_DIM
@@ -68,15 +67,12 @@ class TritonBackend(PagedSlab[TritonStep]):
         """The split and prefill kernels read the counts; the batch-invariant kernel's grid is the step's own."""
         return not self.batch_invariant
 
-    def plans_within(self, meta: AttentionMetadata, step: TritonStep) -> bool:
-        """Unless the step's own plan would split its decodes' contexts more than `step` does (planned for as many
-        decodes as a mixed graph has tokens): a few long contexts would be walked by too few programs."""
-        if not meta.num_decodes:
-            return True
-        cfg, cache = self.cfg, self.kv_cache
-        _, own = split_plan(meta.num_decodes, cfg.H_q, cfg.H_kv, cfg.D, self.block_size, cache.dtype,
-                            meta.max_context_len, cache.device)
-        return step.splits is not None and own <= step.splits.num_splits
+    def step_counts(self, meta: AttentionMetadata, step: TritonStep) -> list[int]:
+        """Decodes, requests, and the decodes' splits in the graph's (its own plan's count, under the graph's tiles)."""
+        cfg = self.cfg
+        splits = step.splits.step_splits(meta.num_decodes, cfg.H_q, cfg.H_kv, cfg.D, self.block_size,
+                                         self.kv_cache.dtype, meta.max_context_len) if meta.num_decodes else 1
+        return [meta.num_decodes, meta.num_requests, splits]
 
     @property
     def shares_prefixes(self) -> bool:
@@ -102,7 +98,10 @@ class TritonBackend(PagedSlab[TritonStep]):
         if meta.num_decodes and not self.batch_invariant:
             cfg, cache, B = self.cfg, self.kv_cache, meta.num_decodes
             shape = (cfg.H_q, cfg.H_kv, cfg.D, self.block_size, cache.dtype)
-            splits = DecodeSplits.plan(B, *shape, meta.max_context_len, cache.device)
+            if meta.counts is None:
+                splits = DecodeSplits.plan(B, *shape, meta.max_context_len, cache.device)
+            else:  # each step's split count comes with its counts (step_counts)
+                splits = DecodeSplits.plan_counted(B, *shape, cache.device)
             if meta.decode_groups is not None:
                 shared = SharedPrefixes.plan(
                     meta.decode_groups, meta.shared_lens, B, *shape, meta.max_context_len, splits.tiles

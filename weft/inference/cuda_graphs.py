@@ -40,6 +40,7 @@ from weft.utils import cdiv
 
 MAX_GRAPH_BATCH = 256  # larger decode batches run piecewise (eagerly under FULL_DECODE_ONLY)
 MAX_GRAPH_TOKENS = 8192  # larger steps run eagerly: their GEMMs take longer than their launches
+COUNTS = 4  # room for a mixed step's counts (AttentionBackend.step_counts)
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -69,7 +70,7 @@ class StaticInputs:
     block_tables: torch.Tensor  # [B_max, max_blocks] int32: every entry a valid block
     decode_groups: torch.Tensor  # [B_max // 2, 3] int32: rows [0, B // 2) serve a graph with groups; 0 when empty
     shared_lens: torch.Tensor  # [B_max] int32; 0 outside the groups
-    counts: torch.Tensor  # [2] int32: a mixed step's decodes and requests (AttentionMetadata.counts)
+    counts: torch.Tensor  # [COUNTS] int32: a mixed step's decodes, requests and more (AttentionMetadata.counts)
     max_context_len: int  # max_blocks * P: the longest context the table holds
 
     @classmethod
@@ -85,7 +86,7 @@ class StaticInputs:
             block_tables=torch.zeros(B_max, max_blocks, dtype=torch.int32, device=device),
             decode_groups=torch.zeros(B_max // 2, 3, dtype=torch.int32, device=device),
             shared_lens=torch.zeros(B_max, dtype=torch.int32, device=device),
-            counts=torch.zeros(2, dtype=torch.int32, device=device),
+            counts=torch.zeros(COUNTS, dtype=torch.int32, device=device),
             max_context_len=max_blocks * P,
         )
 
@@ -238,11 +239,7 @@ class MixedGraphs(Generic[StepT]):
         return min(T, self.max_batch)
 
     def serves(self, meta: AttentionMetadata) -> bool:
-        """A step of at most the largest token count and MIXED_PREFILLS requests besides its decodes, which its graph
-        attends about as fast as the step's own plan would (AttentionBackend.plans_within)."""
-        T = meta.slot_mapping.shape[0]
-        return (T <= self.sizes[-1] and meta.num_requests - meta.num_decodes <= MIXED_PREFILLS
-                and self.attn.plans_within(meta, self.captured[next(s for s in self.sizes if s >= T)].step))
+        return meta.slot_mapping.shape[0] <= self.sizes[-1] and meta.num_requests - meta.num_decodes <= MIXED_PREFILLS
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -264,9 +261,9 @@ class MixedGraphs(Generic[StepT]):
         x.query_start_loc[: R + 1].copy_(meta.query_start_loc)
         x.context_lens[:R].copy_(meta.context_lens)
         x.block_tables[:R, : meta.block_tables.shape[1]].copy_(meta.block_tables)
-        x.counts[0].fill_(meta.num_decodes)
-        x.counts[1].fill_(R)
         captured = self.captured[size]
+        for i, count in enumerate(self.attn.step_counts(meta, captured.step)):
+            x.counts[i].fill_(count)
         captured.graph.replay()
         self.replays += 1
         return captured.hidden[:T]

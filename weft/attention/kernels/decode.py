@@ -62,13 +62,22 @@ def _split_kernel(
     # Splits vary fastest in the grid, so that the programs dispatched last (which the memory serves
     # last) are all of the last few (request, KV head) pairs rather than one split of every pair: a
     # pair's merge then waits on fewer late programs (results/logs/h200_decode_splits.txt, section 8).
-    split = tl.program_id(0)
     h_kv = tl.program_id(1)
-    b = tl.program_id(2)
-    if COUNTED:  # planned for more decodes than the step has (a mixed steps' CUDA graph): counts[0] are
+    if COUNTED:  # a mixed steps' CUDA graph: the step's decodes and their splits are counts[0] and counts[2], its
+        num_splits = tl.maximum(tl.load(counts_ptr + 2), 1)  # grid (request and split, KV head); the programs past
+        # them exit (all of them where the counts are 0: a capture's warm-up)
+        b = tl.program_id(0) // num_splits
+        split = tl.program_id(0) % num_splits
         if b >= tl.load(counts_ptr):
             return
-    num_splits = tl.num_programs(0)
+        o_b = o_ptr + b * num_splits * stride_os  # the scratch's splits: the step's requests' splits, back to back
+        lse_b = lse_ptr + b * num_splits * stride_ls
+    else:
+        split = tl.program_id(0)
+        b = tl.program_id(2)
+        num_splits = tl.num_programs(0)
+        o_b = o_ptr + b * stride_ob
+        lse_b = lse_ptr + b * stride_lb
     # Split s takes tiles s, s + num_splits, s + 2 * num_splits, ... of its request's context: no
     # split gets more than one tile over another, a short request's programs finish early, and the
     # grid need not depend on this step's longest context (a CUDA graph fixes the grid at capture).
@@ -133,9 +142,9 @@ def _split_kernel(
     else:
         # The scratch holds all D_PAD lanes (the padding ones 0): its loads and stores need no lane mask.
         if split < used:
-            o_rows = o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
+            o_rows = o_b + heads[:, None] * stride_oh + split * stride_os
             tl.store(o_rows + d[None, :] * stride_od, acc / row_sum[:, None], mask=row_ok[:, None])
-            lse_rows = lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls
+            lse_rows = lse_b + heads * stride_lh + split * stride_ls
             tl.store(lse_rows, m + tl.log2(row_sum), mask=row_ok)
 
         # Every thread's stores are issued before the arrival counts (bar.sync), and the counter's
@@ -144,7 +153,7 @@ def _split_kernel(
         arrivals = arrivals_ptr + b * tl.num_programs(1) + h_kv
         if tl.atomic_add(arrivals, 1, sem="acq_rel") == num_splits - 1:
             _merge(
-                o_ptr + b * stride_ob, lse_ptr + b * stride_lb, out_ptr + b * stride_xb, h_kv * GROUP, used,
+                o_b, lse_b, out_ptr + b * stride_xb, h_kv * GROUP, used,
                 stride_oh, stride_os, stride_od, stride_lh, stride_ls, stride_xh, stride_xd,
                 GROUP, GROUP_P2, MERGE_TILE, D, D_PAD,
             )
@@ -359,25 +368,37 @@ class DecodeSplits:
         cls, B: int, H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype, max_context_len: int,
         device: torch.device, num_splits: int | None = None,
     ) -> DecodeSplits:
-        """`num_splits` defaults to `split_plan`'s."""
-        tiles, best = split_plan(B, H_q, H_kv, D, P, dtype, max_context_len, device)
-        num_splits = best if num_splits is None else num_splits
+        """`num_splits` defaults to `best_num_splits` for this GPU's occupancy under the step's tiles."""
+        tiles = tiles_for(dtype, B * H_kv, lambda: resident_programs(device, dtype, H_q, H_kv, D, P, DEEP_TILES))
+        if num_splits is None:
+            slots = resident_programs(device, dtype, H_q, H_kv, D, P, tiles)
+            num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles.block_n), slots)
         o = torch.empty(B, H_q, num_splits, padded_head_dim(D), dtype=torch.float32, device=device)
         lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=device)
+        return cls(tiles, o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
+
+    @classmethod
+    def plan_counted(cls, B: int, H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype, device: torch.device
+                     ) -> DecodeSplits:
+        """For a mixed steps' CUDA graph of up to B decodes, which reads each step's decodes and split count from the
+        device (`step_splits`): a program per split of the step's decodes, W = max(B, a wave over the KV heads) of
+        them, each decode's splits back to back in the scratch's W (o [1, H_q, W, D_PAD], lse [1, H_q, W])."""
+        tiles = tiles_for(dtype, B * H_kv, lambda: resident_programs(device, dtype, H_q, H_kv, D, P, DEEP_TILES))
+        W = max(B, resident_programs(device, dtype, H_q, H_kv, D, P, tiles) // H_kv)
+        o = torch.empty(1, H_q, W, padded_head_dim(D), dtype=torch.float32, device=device)
+        lse = torch.empty(1, H_q, W, dtype=torch.float32, device=device)
         return cls(tiles, o, lse, torch.zeros(B, H_kv, dtype=torch.int32, device=device))
 
     @property
     def num_splits(self) -> int:
         return self.lse.shape[2]
 
-
-def split_plan(B: int, H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype, max_context_len: int,
-               device: torch.device) -> tuple[Tiles, int]:
-    """The tiles of a step of B decodes whose longest context is max_context_len, and `best_num_splits` for this
-    GPU's occupancy under them."""
-    tiles = tiles_for(dtype, B * H_kv, lambda: resident_programs(device, dtype, H_q, H_kv, D, P, DEEP_TILES))
-    slots = resident_programs(device, dtype, H_q, H_kv, D, P, tiles)
-    return tiles, best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles.block_n), slots)
+    def step_splits(self, B: int, H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype, max_context_len: int
+                    ) -> int:
+        """The splits each of a step's B decodes, its longest context max_context_len, takes in `plan_counted`'s:
+        `best_num_splits` under their tiles. One each, or at most a wave of programs in all: within their W."""
+        slots = resident_programs(self.o.device, dtype, H_q, H_kv, D, P, self.tiles)
+        return best_num_splits(B * H_kv, triton.cdiv(max_context_len, self.tiles.block_n), slots)
 
 
 @dataclass
@@ -560,8 +581,9 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of q [T_total, H_q, D] over k_cache/v_cache [N, P, H_kv, D] -> out [T_total, H_q, D].
 
-    Computes the first B requests, B being the number `splits` was planned for (with `counts`, int32 [>= 1] on
-    the device, the first counts[0] of them): request b's one new token is q row b, and its tokens 0 ..
+    Computes the first B requests, B being the number `splits` was planned for (with `counts`, int32 [3] on the
+    device, and `splits` from `DecodeSplits.plan_counted`: the first counts[0] of them, in counts[2] splits each):
+    request b's one new token is q row b, and its tokens 0 ..
     context_lens[b]-1 (int32 [>= B]) sit in blocks block_tables[b] (int32 [>= B, max_blocks]). Rows from B on are
     left alone (a mixed step's prefills); `window`: the query sees only the last `window` of them (a sliding
     window). Inputs are trusted (the backend's `check` validates them).
@@ -583,7 +605,8 @@ def decode_attention(
         )
     # without groups the shared arguments are the splits' own scratch, never read
     lens, o, lse = (shared.lens, shared.o, shared.lse) if shared is not None else (context_lens, splits.o, splits.lse)
-    _split_kernel[(splits.lse.shape[2], H_kv, B)](
+    S = splits.num_splits
+    _split_kernel[(S, H_kv, B) if counts is None else (S, H_kv)](
         q, k_cache, v_cache, block_tables, context_lens, splits.o, splits.lse, splits.arrivals, out,
         counts if counts is not None else context_lens, lens, o, lse, lse.shape[2] if shared is not None else 0,
         scale * LOG2E, table_tokens,
