@@ -118,8 +118,8 @@ class TritonBackend(PagedSlab[TritonStep]):
         self._check_tokens("q", q, self.cfg.H_q, step.meta)
         meta = step.meta
         k_cache, v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]  # [N, P, H_kv, D]
-        if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:  # zeros where a mixed steps' graph leaves padding rows unwritten: finite, for the MoE's router
+            out = (torch.empty if meta.counts is None else torch.zeros)(q.shape, dtype=q.dtype, device=q.device)
         # Whole tensors, no slices: each kernel is told which requests are its own, so the
         # pointers (and Triton's specializations on their alignment) stay the same every step.
         table, ctx = meta.block_tables, meta.context_lens

@@ -239,7 +239,9 @@ class MixedGraphs(Generic[StepT]):
         return min(T, self.max_batch)
 
     def serves(self, meta: AttentionMetadata) -> bool:
-        return meta.slot_mapping.shape[0] <= self.sizes[-1] and meta.num_requests - meta.num_decodes <= MIXED_PREFILLS
+        T = meta.slot_mapping.shape[0]
+        return (T <= self.sizes[-1] and meta.num_requests - meta.num_decodes <= MIXED_PREFILLS
+                and meta.num_decodes <= self.decodes(next(s for s in self.sizes if s >= T)))
 
     @torch.inference_mode()
     def _capture(self) -> None:

@@ -359,8 +359,10 @@ class DecodeSplits:
     """
 
     tiles: Tiles
-    o: torch.Tensor  # [B, H_q, num_splits, D_PAD] float32: each split's normalized output (a lone split skips it)
-    lse: torch.Tensor  # [B, H_q, num_splits] float32: log2-sum-exp of each split's scaled scores
+    # [B, H_q, num_splits, D_PAD] float32: each split's normalized output (a lone split skips it); `plan_counted`'s
+    # [1, H_q, W, D_PAD], each decode's splits back to back (num_splits is then W)
+    o: torch.Tensor
+    lse: torch.Tensor  # [B, H_q, num_splits] float32: log2-sum-exp of each split's scaled scores (or [1, H_q, W])
     arrivals: torch.Tensor  # [B, H_kv] int32: splits finished so far; 0 between launches
 
     @classmethod

@@ -206,7 +206,7 @@ def prefill_attention(
     Request b's new tokens are q rows query_start_loc[b] .. query_start_loc[b+1]-1 (int32
     [B+1]); its context_lens[b] (int32 [B]) tokens, these included, sit in blocks
     block_tables[b] (int32 [B, max_blocks]). Only requests first_request .. B-1 are computed
-    (their rows of out); with `counts` (int32 [2] on the device: the step's decodes and requests, where the
+    (their rows of out); with `counts` (int32 [>= 2] on the device: the step's decodes and requests, where the
     host ints are a CUDA graph's bounds) requests counts[0] .. counts[1]-1, at most B - first_request of them;
     `window`: each query sees only the `window` keys up to itself (a sliding window). Inputs are trusted (the
     backend validates them).
