@@ -16,11 +16,12 @@ more than running them. So, once per pool, the forward is captured and then repl
   programs past the step's counts exit. So a mixed step, too, is one replay, not L + 1 of them with
   the attention launched between.
 - `PiecewiseGraphs`, everything but attention: any other step (more prefills, a backend that cannot
-  count, deterministic mode) per padded token count, as L + 1 graphs cut at each layer's attention, which runs eagerly
-  between them on the step's real tokens and metadata, whatever their mix of requests. Where the
-  backend's slots are rows of its cache, the graphs' RoPE kernel stores each layer's K/V there, at
-  slots the step copies in (padding rows: -1, stored nowhere), so the eager part only attends. Every op
-  in the graphs works row by row, so padding rows (stale inputs of earlier steps) change no real row.
+  count, deterministic mode) per padded token count, as L + 1 graphs cut at each layer's attention,
+  which runs eagerly between them on the step's real tokens and metadata, whatever their mix of
+  requests. Where the backend's slots are rows of its cache, the graphs' RoPE kernel stores each
+  layer's K/V there, at slots the step copies in (padding rows: -1, stored nowhere), so the eager part
+  only attends. Every op in the graphs works row by row, so padding rows (stale inputs of earlier
+  steps) change no real row.
   While they are captured the model's attention is `AttentionCut`, which implements the model's
   `Attention` as a backend does, with static buffers in place of the cache.
 """
