@@ -333,6 +333,11 @@ def tile_options(dtype: torch.dtype) -> tuple[Tiles, ...]:
     return (SHALLOW_TILES,) if dtype == torch.float32 else (DEEP_TILES, SHALLOW_TILES)
 
 
+def _step_tiles(B: int, H_q: int, H_kv: int, D: int, P: int, dtype: torch.dtype, device: torch.device) -> Tiles:
+    """`tiles_for` a step of B decodes on `device`."""
+    return tiles_for(dtype, B * H_kv, lambda: resident_programs(device, dtype, H_q, H_kv, D, P, DEEP_TILES))
+
+
 def tiles_for(dtype: torch.dtype, pairs: int, deep_slots: Callable[[], int]) -> Tiles:
     """The tiles for a step of `pairs` (request, KV head) pairs; `deep_slots()`: how many deep
     programs the GPU holds at once.
@@ -371,7 +376,7 @@ class DecodeSplits:
         device: torch.device, num_splits: int | None = None,
     ) -> DecodeSplits:
         """`num_splits` defaults to `best_num_splits` for this GPU's occupancy under the step's tiles."""
-        tiles = tiles_for(dtype, B * H_kv, lambda: resident_programs(device, dtype, H_q, H_kv, D, P, DEEP_TILES))
+        tiles = _step_tiles(B, H_q, H_kv, D, P, dtype, device)
         if num_splits is None:
             slots = resident_programs(device, dtype, H_q, H_kv, D, P, tiles)
             num_splits = best_num_splits(B * H_kv, triton.cdiv(max_context_len, tiles.block_n), slots)
@@ -385,7 +390,7 @@ class DecodeSplits:
         """For a mixed steps' CUDA graph of up to B decodes, which reads each step's decodes and split count from the
         device (`step_splits`): a program per split of the step's decodes, W = max(B, a wave over the KV heads) of
         them, each decode's splits back to back in the scratch's W (o [1, H_q, W, D_PAD], lse [1, H_q, W])."""
-        tiles = tiles_for(dtype, B * H_kv, lambda: resident_programs(device, dtype, H_q, H_kv, D, P, DEEP_TILES))
+        tiles = _step_tiles(B, H_q, H_kv, D, P, dtype, device)
         W = max(B, resident_programs(device, dtype, H_q, H_kv, D, P, tiles) // H_kv)
         o = torch.empty(1, H_q, W, padded_head_dim(D), dtype=torch.float32, device=device)
         lse = torch.empty(1, H_q, W, dtype=torch.float32, device=device)
