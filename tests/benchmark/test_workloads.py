@@ -65,9 +65,22 @@ def test_warmup_keeps_shapes_and_arrivals_and_shortens_outputs():
     assert [len(p) for p in short.prompts] == [len(p) for p in w.prompts]
     assert (arrivals(short), short.clock) == (arrivals(w), w.clock)
     assert {r.max_tokens for r in short.requests} == {2}
-    # reversed: nothing the warm-up leaves in a prefix cache begins like a timed prompt
-    assert short.prompts == [p[::-1] for p in w.prompts] and all(a[:3] != b[:3] for a, b in zip(
-        short.prompts, w.prompts, strict=True))
+    # each id moved to the next the workload uses: nothing the warm-up leaves in a prefix cache begins like a
+    # timed prompt
+    assert all(a[0] != b[0] for a, b in zip(short.prompts, w.prompts, strict=True))
+    assert {t for p in short.prompts for t in p} == {t for p in w.prompts for t in p}
+
+
+def test_warmup_shares_the_prefixes_the_timed_run_shares():
+    """So that the warm-up runs (and compiles) the paths of the timed run's prefix-cache hits."""
+    w = workloads.shared_prefix(groups=2, per_group=3, system_len=8, question_len=2, max_tokens=4, vocab_size=1000)
+    short = w.warmup(2)
+
+    def shared(prompts: list) -> list[list[bool]]:
+        return [[a[:8] == b[:8] for b in prompts] for a in prompts]
+
+    assert shared(short.prompts) == shared(w.prompts)
+    assert not {tuple(p[:8]) for p in short.prompts} & {tuple(p[:8]) for p in w.prompts}
 
 
 def test_shared_prefix_groups_take_turns():

@@ -77,10 +77,15 @@ class Workload:
         return max(math.ceil((r.max_len - 1) / block_size) for r in self.requests)
 
     def warmup(self, max_tokens: int) -> Workload:
-        """A cheap warm-up of the same shapes: the same lengths and arrivals, at most `max_tokens` each, every
-        prompt reversed, so that it leaves nothing in a prefix cache that the timed run could find."""
+        """A cheap warm-up of the same shapes: the same lengths and arrivals, at most `max_tokens` each, and the
+        same prefixes shared among its prompts (so it compiles what the timed run's cache hits run), but each token
+        id replaced by the next one the workload uses: it leaves nothing in a prefix cache that the timed run could
+        find."""
+        ids = sorted({t for r in self.requests for t in r.prompt_token_ids})
+        following = dict(zip(ids, ids[1:] + ids[:1], strict=True))
         requests = tuple(
-            replace(r, prompt_token_ids=r.prompt_token_ids[::-1], max_tokens=min(r.max_tokens, max_tokens))
+            replace(r, prompt_token_ids=tuple(following[t] for t in r.prompt_token_ids),
+                    max_tokens=min(r.max_tokens, max_tokens))
             for r in self.requests
         )
         return Workload(f"{self.name}-warmup", requests, self.clock)
