@@ -1,6 +1,6 @@
 """Causal flash attention of ragged new tokens over the paged cache (prefill and extend).
 
-One program per (tile of BLOCK_M new tokens of request b, query head), for requests
+One program per (tile of BLOCK_M // GROUP new tokens of request b, KV head: its GROUP query heads), for requests
 first_request .. B-1 (a mixed step's decodes come first and go to the decode kernel).
 Request b's T_b new tokens are the last ones of its context, so its query row i sits at
 position context_lens[b] - T_b + i and sees cache positions 0 .. that position (within a
@@ -22,7 +22,7 @@ from weft.attention.kernels.decode import NUM_WARPS as DECODE_WARPS
 from weft.attention.kernels.decode import SHALLOW_TILES
 from weft.attention.kernels.tiles import LOG2E, MIN_DOT, lanes, padded_head_dim, softmax_step, token_offsets
 
-BLOCK_M = 128  # new tokens per program
+BLOCK_M = 128  # query rows per program: BLOCK_M // GROUP new tokens x GROUP query heads
 # One K (or V) tile: 128 tokens of D = 128 in bf16, the sweep's fastest (results/logs/h200_kernel_sweep.txt).
 KV_TILE_BYTES = 128 * 128 * 2
 NUM_WARPS = 8
@@ -42,6 +42,10 @@ def _prefill_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, COUNTED: tl.constexpr,
 ):
+    # A program's rows are TILE_TOKENS tokens x a KV head's GROUP query heads (row r: token r // GROUP, head
+    # r % GROUP), so each K/V tile is read once for the group: with short queries over a long cached prefix the
+    # kernel is bound by reading the keys, not by its products.
+    TILE_TOKENS: tl.constexpr = BLOCK_M // GROUP
     # Longest-running tiles (the last rows of a request) first, so short ones fill the tail.
     m_tile = num_m_tiles - 1 - tl.program_id(0)
     b = first_request + tl.program_id(1)
@@ -49,16 +53,18 @@ def _prefill_kernel(
         b = tl.load(counts_ptr) + tl.program_id(1)  # requests, are counts[0] and counts[1]
         if b >= tl.load(counts_ptr + 1):
             return
-    h = tl.program_id(2)
+    h_kv = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    if m_tile * BLOCK_M < q_len:
-        rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    first_token = m_tile * TILE_TOKENS
+    if first_token < q_len:
+        r = tl.arange(0, BLOCK_M)
+        rows = first_token + r // GROUP
         _attend_tile(
             q_ptr, k_ptr, v_ptr, out_ptr, table_ptr + b * stride_table, tl.load(context_lens_ptr + b), scale_log2,
-            q_start, q_len, m_tile * BLOCK_M, rows, rows < q_len, h + 0 * rows, h // GROUP, stride_qt, stride_qh,
-            stride_qd, stride_kn, stride_kp, stride_kh, stride_kd, stride_ot, stride_oh, stride_od,
-            D, D_PAD, P, BLOCK_M, BLOCK_N, WINDOW,
+            q_start, q_len, first_token, rows, (r < TILE_TOKENS * GROUP) & (rows < q_len), h_kv * GROUP + r % GROUP,
+            h_kv, stride_qt, stride_qh, stride_qd, stride_kn, stride_kp, stride_kh, stride_kd, stride_ot, stride_oh,
+            stride_od, D, D_PAD, P, TILE_TOKENS, BLOCK_N, WINDOW,
         )
 
 
@@ -214,14 +220,15 @@ def prefill_attention(
     _, H_q, D = q.shape
     _, P, H_kv, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride()
-    num_m_tiles = triton.cdiv(max_query_len, BLOCK_M)
+    group = H_q // H_kv
+    num_m_tiles = triton.cdiv(max_query_len, BLOCK_M // group)
     D_PAD = padded_head_dim(D)
     block_n = kv_tile_tokens(D_PAD, q.element_size())
-    _prefill_kernel[(num_m_tiles, context_lens.shape[0] - first_request, H_q)](
+    _prefill_kernel[(num_m_tiles, context_lens.shape[0] - first_request, H_kv)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
         counts if counts is not None else context_lens, scale * LOG2E, first_request, num_m_tiles,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
-        GROUP=H_q // H_kv, D=D, D_PAD=D_PAD, P=P, BLOCK_M=BLOCK_M, BLOCK_N=block_n, WINDOW=window or 0,
+        GROUP=group, D=D, D_PAD=D_PAD, P=P, BLOCK_M=BLOCK_M, BLOCK_N=block_n, WINDOW=window or 0,
         COUNTED=counts is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
