@@ -16,7 +16,8 @@ from tests.kernels.paged_case import (
     reference,
 )
 from weft.attention.kernels import grouped_attention, prefill_attention
-from weft.attention.kernels.prefill import KV_TILE_BYTES, SEARCH, kv_tile_tokens
+from weft.attention.kernels import prefill
+from weft.attention.kernels.prefill import KV_TILE_BYTES, kv_tile_tokens
 from weft.attention.kernels.tiles import padded_head_dim
 
 pytestmark = pytest.mark.kernels
@@ -155,9 +156,11 @@ def test_kv_tile_tokens(D, element_size, tokens):
     assert tokens * D_PAD * element_size <= KV_TILE_BYTES
 
 
-def test_grouped_finds_each_request_past_the_first_search_block(device):
-    """More requests than a program compares at once: those past the first SEARCH are found too."""
-    B = SEARCH + 9
+def test_grouped_finds_each_request_past_the_first_search_block(device, monkeypatch):
+    """More requests than a program compares at once: those past the first SEARCH are found too (SEARCH made
+    small, so that the interpreter runs few requests)."""
+    monkeypatch.setattr(prefill, "SEARCH", 16)
+    B = 2 * prefill.SEARCH + 9
     q_lens = [1 + (b % 7 == 3) * (b % 20) for b in range(B)]  # decodes, and some short prefills among them
     case = make_case(4, 2, 32, 4, q_lens, [q + b % 5 for b, q in enumerate(q_lens)], torch.float32, device, B)
     assert_matches(run_grouped(case), reference(case, 32**-0.5))
