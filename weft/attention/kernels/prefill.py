@@ -43,8 +43,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, COUNTED: tl.constexpr,
 ):
     # A program's rows are TILE_TOKENS tokens x a KV head's GROUP query heads (row r: token r // GROUP, head
-    # r % GROUP), so each K/V tile is read once for the group: with short queries over a long cached prefix the
-    # kernel is bound by reading the keys, not by its products.
+    # r % GROUP), so each K/V tile is loaded once for the group, not once per query head.
     TILE_TOKENS: tl.constexpr = BLOCK_M // GROUP
     # Longest-running tiles (the last rows of a request) first, so short ones fill the tail.
     m_tile = num_m_tiles - 1 - tl.program_id(0)
