@@ -15,8 +15,7 @@ from tests.kernels.paged_case import (
     recorded_accesses,
     reference,
 )
-from weft.attention.kernels import grouped_attention, prefill_attention
-from weft.attention.kernels import prefill
+from weft.attention.kernels import grouped_attention, prefill, prefill_attention
 from weft.attention.kernels.prefill import KV_TILE_BYTES, kv_tile_tokens
 from weft.attention.kernels.tiles import padded_head_dim
 
