@@ -30,18 +30,22 @@ EVERY_CASE = [
 ]
 
 
-def check(model: str, case: Case, reference, device) -> None:
+def check(model: str, case: Case, reference, device, prompts: int | None = None, max_tokens: int | None = None
+          ) -> None:
+    """`case` gives HF's greedy tokens on the reference's prompts (the first `prompts` of them, each to its first
+    `max_tokens`, where a test in the interpreter takes a share)."""
     ref = reference(model)
+    tokens = max_tokens or ref.max_tokens
     result = run_case(
         model,  # by name: weft loads the weights its own way, HF its own
         case,
-        ref.prompts,
-        ref.expected,
-        ref.max_tokens,
+        ref.prompts[:prompts],
+        [e[:tokens] for e in ref.expected[:prompts]],
+        tokens,
         "float32",
         device,
         ignore_eos=ref.ignore_eos,
-        reference=lambda prompts: hf_greedy(ref.hf_model, prompts, ref.max_tokens, ref.ignore_eos),
+        reference=lambda prompts: hf_greedy(ref.hf_model, prompts, tokens, ref.ignore_eos),
     )
     mismatches = {p.index: p.divergence for p in result.prompts if p.divergence is not None}
     assert not mismatches, f"prompt -> first diverging token: {mismatches}"
