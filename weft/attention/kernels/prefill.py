@@ -42,8 +42,8 @@ def _prefill_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, COUNTED: tl.constexpr,
 ):
-    # A program's rows are TILE_TOKENS tokens x a KV head's GROUP query heads (row r: token r // GROUP, head
-    # r % GROUP), so each K/V tile is loaded once for the group, not once per query head.
+    # A program's rows are a KV head's GROUP query heads of BLOCK_M // GROUP tokens (_attend_tile), so each K/V
+    # tile is loaded once for the group, not once per query head.
     TILE_TOKENS: tl.constexpr = BLOCK_M // GROUP
     # Longest-running tiles (the last rows of a request) first, so short ones fill the tail.
     m_tile = num_m_tiles - 1 - tl.program_id(0)
@@ -57,13 +57,10 @@ def _prefill_kernel(
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     first_token = m_tile * TILE_TOKENS
     if first_token < q_len:
-        r = tl.arange(0, BLOCK_M)
-        rows = first_token + r // GROUP
         _attend_tile(
             q_ptr, k_ptr, v_ptr, out_ptr, table_ptr + b * stride_table, tl.load(context_lens_ptr + b), scale_log2,
-            q_start, q_len, first_token, rows, (r < TILE_TOKENS * GROUP) & (rows < q_len), h_kv * GROUP + r % GROUP,
-            h_kv, stride_qt, stride_qh, stride_qd, stride_kn, stride_kp, stride_kh, stride_kd, stride_ot, stride_oh,
-            stride_od, D, D_PAD, P, TILE_TOKENS, BLOCK_N, WINDOW,
+            q_start, q_len, first_token, h_kv, stride_qt, stride_qh, stride_qd, stride_kn, stride_kp, stride_kh,
+            stride_kd, stride_ot, stride_oh, stride_od, GROUP, D, D_PAD, P, BLOCK_M, BLOCK_N, WINDOW,
         )
 
 
@@ -104,32 +101,34 @@ def _grouped_kernel(
     q_len = q_end - q_start
     first_token = (tile - b - (q_start - b) // TILE_TOKENS) * TILE_TOKENS
     if first_token < q_len:
-        r = tl.arange(0, BLOCK_M)  # row r: token r // GROUP of the tile, query head r % GROUP of the KV head's group
-        rows = first_token + r // GROUP
         _attend_tile(
             q_ptr, k_ptr, v_ptr, out_ptr, table_ptr + b * stride_table, tl.load(context_lens_ptr + b), scale_log2,
-            q_start, q_len, first_token, rows, (r < TILE_TOKENS * GROUP) & (rows < q_len), h_kv * GROUP + r % GROUP,
-            h_kv, stride_qt, stride_qh, stride_qd, stride_kn, stride_kp, stride_kh, stride_kd, stride_ot, stride_oh,
-            stride_od, D, D_PAD, P, TILE_TOKENS, BLOCK_N, WINDOW,
+            q_start, q_len, first_token, h_kv, stride_qt, stride_qh, stride_qd, stride_kn, stride_kp, stride_kh,
+            stride_kd, stride_ot, stride_oh, stride_od, GROUP, D, D_PAD, P, BLOCK_M, BLOCK_N, WINDOW,
         )
 
 
 @triton.jit
 def _attend_tile(
     q_ptr, k_ptr, v_ptr, out_ptr, table, context_len, scale_log2,
-    q_start, q_len, first_token, rows, row_ok, heads, h_kv,
+    q_start, q_len, first_token, h_kv,
     stride_qt, stride_qh, stride_qd, stride_kn, stride_kp, stride_kh, stride_kd, stride_ot, stride_oh, stride_od,
-    D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr,
+    GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
 ):
-    """One program's query rows: row i is new token rows[i] (of request tokens first_token ..
-    first_token + TILE_TOKENS - 1) in query head heads[i], all of KV head h_kv; stored where row_ok.
+    """One program's BLOCK_M query rows: row r is new token first_token + r // GROUP (of the TILE_TOKENS = BLOCK_M //
+    GROUP from first_token) in query head r % GROUP of KV head h_kv's group; stored where that token is the request's.
 
     A row's sums fold its keys in tiles of BLOCK_N from position 0 (or from its window's first
     tile), in order, never touching another row's: a token's bits do not depend on the tile's other
     rows, nor on whether its tile's keys count as whole or diagonal (a mask of what the row sees;
     tiles past the row add exact zeros).
     """
+    TILE_TOKENS: tl.constexpr = BLOCK_M // GROUP
+    r = tl.arange(0, BLOCK_M)
+    rows = first_token + r // GROUP
+    row_ok = (r < TILE_TOKENS * GROUP) & (rows < q_len)
+    heads = h_kv * GROUP + r % GROUP
     q_pos = context_len - q_len + rows  # [BLOCK_M] position of each query row
     d = tl.arange(0, D_PAD)
     q_rows = (q_start + rows)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd
