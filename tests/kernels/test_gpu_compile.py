@@ -27,7 +27,9 @@ def kernels() -> list[tuple[object, dict[str, object]]]:
     from weft.attention.kernels import decode, prefill
     from weft.layers import moe
 
-    pair = dict(BLOCK_N=moe.PAIR_BLOCK_N, BLOCK_K=moe.PAIR_BLOCK_K, PDL=True)
+    def pair(launch: moe.PairLaunch, **constexprs: object) -> dict[str, object]:
+        return dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, num_warps=launch.num_warps, PDL=True, **constexprs)
+
     route = dict(TOP_K=8, TOP_K_P2=8, BLOCK=128, NORM=True, PDL=True)
     grouped = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32")
     grouping = dict(EXPERTS_P2=128, CHUNK=moe.GROUP_CHUNK, TILE=moe.GROUP_TILE)
@@ -35,8 +37,8 @@ def kernels() -> list[tuple[object, dict[str, object]]]:
     counted_prefill = dict(GROUP=2, D=128, D_PAD=128, P=16, BLOCK_M=prefill.BLOCK_M, BLOCK_N=64, WINDOW=0,
                            COUNTED=True, num_warps=prefill.NUM_WARPS, num_stages=prefill.NUM_STAGES)
     return [
-        (moe._pair_gate_up_kernel, pair),
-        (moe._pair_down_kernel, dict(pair, TOP_K=8)),
+        (moe._pair_gate_up_kernel, pair(moe.PAIR_GATE_UP)),
+        (moe._pair_down_kernel, pair(moe.PAIR_DOWN, TOP_K=8)),
         (moe._router_kernel, dict(route, ROWS=moe.ROUTER_ROWS, BLOCK_K=moe.ROUTER_BLOCK_K)),
         (moe._route_kernel, route),
         (moe._gate_up_kernel, grouped),

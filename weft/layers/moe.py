@@ -20,6 +20,8 @@ experts do). The router's softmax and top-k are float32, its weights rounded to 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -319,17 +321,28 @@ def expert_kernels(
 
 
 PAIR_ROWS = 16  # the most (token, expert) pairs `pair_experts` runs; more are grouped by expert first
-# A pair kernel's program: PAIR_BLOCK_N columns, K in steps of PAIR_BLOCK_K, its products summed along K at the
-# end (tl.sum, not tl.dot: one row per pair). The fastest of those tried at batch 1 and 2 on an H100
-# (results/logs/h100_moe_pairs_4d657f6.log).
-PAIR_BLOCK_N = 8
-PAIR_BLOCK_K = 256
+
+
+@dataclass(frozen=True)
+class PairLaunch:
+    """A pair kernel's program: block_n columns, K in steps of block_k, its products summed along K at the end
+    (tl.sum, not tl.dot: one row per pair), num_warps warps."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+# The fastest of a sweep over (block_n, block_k, num_warps) at batch 1 on an H100, each kernel on its own
+# (results/logs/h100_session8.log): gate_up 18.8 us for a 16.5 us floor, down 11.5 us for 8.3.
+PAIR_GATE_UP = PairLaunch(16, 256, 8)
+PAIR_DOWN = PairLaunch(16, 128, 8)
 
 
 def runs_pairs(T: int, top_k: int, E: int) -> bool:
     """Whether `pair_experts` takes T tokens' top_k pairs each, of hidden size E: at most PAIR_ROWS pairs, and an
     arrival counter for each (token, column block)."""
-    return T * top_k <= PAIR_ROWS and T * triton.cdiv(E, PAIR_BLOCK_N) <= COUNTERS
+    return T * top_k <= PAIR_ROWS and T * triton.cdiv(E, PAIR_DOWN.block_n) <= COUNTERS
 
 
 @triton.jit
@@ -449,12 +462,19 @@ def pair_experts(
     assert x.stride(1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     h = torch.empty(T * k, I_e, dtype=x.dtype, device=x.device)
-    launch = dict(BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, enable_fp_fusion=False, **dependent_launch(x.device))
-    _pair_gate_up_kernel[(T * k, triton.cdiv(I_e, PAIR_BLOCK_N))](x, gate_up, ids, h, k, E, I_e, x.stride(0), **launch)
+    pdl = dependent_launch(x.device)
+    up, dn = PAIR_GATE_UP, PAIR_DOWN
+    _pair_gate_up_kernel[(T * k, triton.cdiv(I_e, up.block_n))](
+        x, gate_up, ids, h, k, E, I_e, x.stride(0), BLOCK_N=up.block_n, BLOCK_K=up.block_k, num_warps=up.num_warps,
+        enable_fp_fusion=False, **pdl,
+    )
     partials = torch.empty(T * k, E, dtype=x.dtype, device=x.device)
-    col_blocks = triton.cdiv(E, PAIR_BLOCK_N)
+    col_blocks = triton.cdiv(E, dn.block_n)
     assert runs_pairs(T, k, E), "pair_experts takes few pairs, with an arrival counter per (token, column block)"
     counters = arrival_counters(x.device) if x.is_cuda else torch.zeros(T * col_blocks, dtype=torch.int32)
     y = torch.empty(T, E, dtype=x.dtype, device=x.device)
-    _pair_down_kernel[(T * k, col_blocks)](h, down, ids, weights, partials, counters, y, E, I_e, TOP_K=k, **launch)
+    _pair_down_kernel[(T * k, col_blocks)](
+        h, down, ids, weights, partials, counters, y, E, I_e, TOP_K=k, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
+        num_warps=dn.num_warps, enable_fp_fusion=False, **pdl,
+    )
     return y
