@@ -7,6 +7,7 @@ import torch
 from weft.benchmark import workloads
 from weft.benchmark.runner import BenchConfig, engine_options
 from weft.cli import build_parser, engine_flags
+from weft.inference.config import CHUNKED_BUDGET
 
 
 @pytest.mark.parametrize(
@@ -46,6 +47,11 @@ def test_bench_config_labels_and_ids():
     assert BenchConfig(options=dict(enforce_eager=True)).id == "continuous-paged-eager"
     # only an explicit False is labelled: True and None are the defaults' own values
     assert BenchConfig(options=dict(enable_prefix_caching=None, enable_overlap=True)).label == "continuous×paged"
+    # a step token budget is labelled unless it is the engine's own default
+    budget = BenchConfig(options=dict(attention="triton", max_num_batched_tokens=1024, enable_overlap=False))
+    assert budget.label == "continuous×triton, no overlap, budget 1024"
+    assert budget.id == "continuous-triton-nooverlap-budget1024"
+    assert BenchConfig(options=dict(max_num_batched_tokens=CHUNKED_BUDGET)).label == "continuous×paged"
 
 
 def test_engine_options_size_the_engine_to_the_workload():

@@ -56,6 +56,7 @@ class Sizes:
     e4_new_tokens: int
     e4_rate: float  # Poisson arrivals, requests per engine tick (the seed's e4)
     e4_rate_per_s: float  # the same stream in wall-clock seconds
+    e4_budget: int  # the step token budget of e4's chunked row: prompts prefilled in chunks beside the decodes
     e5_fractions: tuple[float, ...]
     e5_requests: int
     e5_prompt_range: tuple[int, int]
@@ -113,6 +114,7 @@ CUDA_SIZES = Sizes(
     e4_new_tokens=128,
     e4_rate=1.0,
     e4_rate_per_s=4.0,
+    e4_budget=1024,
     e5_fractions=(1.0, 0.8, 0.6, 0.4, 0.2),
     e5_requests=64,
     e5_prompt_range=(128, 512),
@@ -173,6 +175,7 @@ CPU_SIZES = Sizes(
     e4_new_tokens=8,
     e4_rate=1.0,
     e4_rate_per_s=20.0,
+    e4_budget=32,
     e5_fractions=CUDA_SIZES.e5_fractions,
     e5_requests=8,
     e5_prompt_range=(16, 48),

@@ -3,6 +3,10 @@
 - seconds: the arrival instants a server sees, the same for every engine: what a user compares.
 - ticks: the seed's reproduction, arrivals counted in engine steps, so a slower engine also sees
   its requests arrive more slowly (its TTFT ratio mixes speed with a clock that bends to it).
+
+Beside the three policies, continuous scheduling (on the session's backend) with a small step token
+budget (sizes.e4_budget): a prompt is prefilled in chunks beside the running decodes, so no decode waits
+behind a whole prompt (or several), which bounds the ITL's tail at the cost of TTFT.
 """
 
 import pytest
@@ -22,6 +26,17 @@ CONFIGS = [
 @pytest.mark.parametrize("clock", workloads.CLOCKS)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.id)
 def test_e4_arrival_stream(run_benchmark, sizes, model_for, config, clock):
+    stream(run_benchmark, sizes, model_for, config, clock)
+
+
+@pytest.mark.parametrize("clock", workloads.CLOCKS)
+def test_e4_arrival_stream_in_chunks(run_benchmark, sizes, model_for, clock):
+    options = dict(scheduler="continuous", attention=sizes.attention, max_num_batched_tokens=sizes.e4_budget)
+    stream(run_benchmark, sizes, model_for, BenchConfig(options=options), clock)
+
+
+def stream(run_benchmark, sizes, model_for, config: BenchConfig, clock: str) -> None:
+    """e4's arrival stream on `clock`, served by `config`."""
     vocab = model_for(sizes.model, sizes.dtype).config.vocab_size
     rate = sizes.e4_rate if clock == "ticks" else sizes.e4_rate_per_s
     workload = workloads.arrival_stream(

@@ -22,7 +22,7 @@ from weft.benchmark.hf_baselines import HFContinuousBatching, HFGenerate
 from weft.benchmark.metrics import Served, measure
 from weft.benchmark.replay import Arrival, replay_seconds, replay_ticks
 from weft.benchmark.workloads import Workload
-from weft.inference.config import EngineConfig, check_names
+from weft.inference.config import CHUNKED_BUDGET, EngineConfig, check_names
 from weft.inference.engine import LLMEngine
 from weft.inference.params import SamplingParams
 from weft.inference.structured import StructuredOutputsParams
@@ -92,8 +92,8 @@ class BenchConfig:
 
     @property
     def label(self) -> str:
-        """'continuous×triton' for weft (', no prefix cache' and the like for what the options turn off), the
-        engine name for the HF baselines."""
+        """'continuous×triton' for weft (', no prefix cache' and the like for what the options turn off, ', budget
+        1024' for a step token budget other than the engine's default), the engine name for the HF baselines."""
         if self.engine != "weft":
             return self.engine
         graphs = GRAPHS_OFF.get("NONE" if self.options.get("enforce_eager") else self.setting("cudagraph_mode"))
@@ -104,10 +104,12 @@ class BenchConfig:
         parts = (("chunked prefill", off("enable_chunked_prefill")), (graphs, graphs is not None),
                  ("prefix cache", off("enable_prefix_caching")), ("overlap", off("enable_overlap")),
                  ("fused layers", off("enable_fused_layers")))
+        budget = self.options.get("max_num_batched_tokens", CHUNKED_BUDGET)
+        budgeted = "" if budget == CHUNKED_BUDGET else f", budget {budget}"
         sampled = ", deterministic" if self.options.get("deterministic") else ""
         sampled += "" if self.sampling == "greedy" else f", {self.sampling}"
         return f"{self.setting('scheduler')}×{self.setting('attention')}" + "".join(
-            f", no {name}" for name, is_off in parts if is_off) + sampled
+            f", no {name}" for name, is_off in parts if is_off) + budgeted + sampled
 
     @property
     def id(self) -> str:
@@ -115,7 +117,8 @@ class BenchConfig:
         return (self.label.replace("×", "-").replace(", no prefix cache", "-nocache")
                 .replace(", no chunked prefill", "-nochunks").replace(", no CUDA graphs", "-eager")
                 .replace(", no piecewise graphs", "-nopiecewise").replace(", no decode graphs", "-nodecodegraphs")
-                .replace(", no overlap", "-nooverlap").replace(", no fused layers", "-nofused").replace(", ", "-"))
+                .replace(", no overlap", "-nooverlap").replace(", no fused layers", "-nofused")
+                .replace(", budget ", "-budget").replace(", ", "-"))
 
 
 class Driver(Protocol):
