@@ -6,7 +6,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation import ContinuousBatchingConfig
 
 from weft.benchmark import workloads
-from weft.benchmark.runner import BenchConfig, make_driver
+from weft.benchmark.metrics import Served
+from weft.benchmark.runner import WARMUP_TOKENS, BenchConfig, make_driver, warmup
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +41,31 @@ def test_hf_baselines_match_weft_token_for_token(tiny, config):
         assert len(o.outputs[0].token_ids) == r.max_tokens == len(o.metrics.token_times)
         assert o.metrics.ttft > 0 and o.metrics.e2e >= o.metrics.ttft
     assert hf_run.window.makespan_s > 0
+
+
+def most_held(served: Served) -> int:
+    """The most requests held at once: from arrival to finish."""
+    times = [(o.metrics.arrival_time, 1) for o in served.outputs]
+    times += [(o.metrics.finished_time, -1) for o in served.outputs]
+    held, most = 0, 0
+    for _, change in sorted(times):
+        held += change
+        most = max(most, held)
+    return most
+
+
+def test_a_stream_on_ticks_is_warmed_up_whole_and_builds_the_timed_runs_batches(tiny):
+    """Two-token warm-ups of a ticks stream hold a request two steps each, never the timed run's batches."""
+    stream = workloads.arrival_stream(12, (4, 16), max_tokens=12, rate=2.0, vocab_size=256)
+    offline = workloads.uniform(3, (3, 12), (2, 6), vocab_size=256, seed=1, name="tiny")
+    seconds = workloads.arrival_stream(3, (4, 16), max_tokens=12, rate=50.0, vocab_size=256, clock="seconds")
+    assert {r.max_tokens for w in (offline, seconds) for r in warmup(BenchConfig(), w).requests} == {WARMUP_TOKENS}
+    assert [r.max_tokens for r in warmup(BenchConfig(engine="hf_generate_static"), offline).requests] == [
+        r.max_tokens for r in offline.requests]
+    driver = make_driver(BenchConfig(), tiny, stream, "float32", torch.device("cpu"))
+    try:
+        short, warm, timed = (driver.serve(w) for w in (stream.warmup(WARMUP_TOKENS), warmup(BenchConfig(), stream),
+                                                        stream))
+    finally:
+        driver.close()
+    assert most_held(short) < most_held(warm) == most_held(timed)

@@ -27,7 +27,7 @@ from weft.attention import available_backends
 from weft.benchmark.floor import floor_s, traffic_bytes
 from weft.benchmark.metrics import Served
 from weft.benchmark.profiling import top_ops
-from weft.benchmark.runner import BenchConfig, Driver, make_driver, record, release, unrelated_bytes
+from weft.benchmark.runner import BenchConfig, Driver, make_driver, record, release, unrelated_bytes, warmup
 from weft.benchmark.saving import save_so_far
 from weft.benchmark.workloads import Workload
 from weft.inference.config import DTYPES
@@ -36,7 +36,6 @@ from weft.models.loader import DEFAULT_MODEL, reference_model, resolve_model
 HAS_CUDA = torch.cuda.is_available()
 
 TINY = "tiny-llama"
-WARMUP_TOKENS = 2  # the warm-up serves the same prompts this far: compile, autotune, allocator
 
 
 @dataclass(frozen=True)
@@ -348,7 +347,7 @@ def keep_so_far(request: pytest.FixtureRequest) -> Callable[[], None]:
 def run_benchmark(benchmark, request: pytest.FixtureRequest, device: torch.device, model_for) -> Callable[..., Served]:
     """run(experiment, config, workload, *, model, dtype, logit_gain, profile, **extra) -> the timed run.
 
-    Builds the driver, serves a short warm-up of the same prompts (HF's static cache: a whole one), then
+    Builds the driver, serves a warm-up of the same prompts (`weft.benchmark.runner.warmup`), then
     times one full run (one round: a serving run is long) and records it in `benchmark.extra_info`.
     """
 
@@ -379,10 +378,7 @@ def run_benchmark(benchmark, request: pytest.FixtureRequest, device: torch.devic
             return driver.serve(workload), None
 
         try:
-            # HF's static cache is sized to a batch's prompts and max_new_tokens, and generate compiles its forward
-            # for that size: a shorter warm-up would leave the compilation to the timed run
-            full = config.engine == "hf_generate_static"
-            driver.serve(workload.warmup(max(r.max_tokens for r in workload.requests) if full else WARMUP_TOKENS))
+            driver.serve(warmup(config, workload))
             served, ops = benchmark.pedantic(timed, args=(driver,), rounds=1, iterations=1, warmup_rounds=0)
             if ops is not None:
                 extra = {**extra, "profiled": True, "top_ops": ops}

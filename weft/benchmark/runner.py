@@ -228,6 +228,20 @@ def make_driver(
     return HFContinuousBatching(model, workload, device, hf_cb_config)
 
 
+WARMUP_TOKENS = 2  # a warm-up request's new tokens: enough to compile and autotune what a step of the prompts runs
+
+
+def warmup(config: BenchConfig, workload: Workload) -> Workload:
+    """What a driver serves before `workload` is timed: its prompts (`Workload.warmup`: the ids moved) for
+    WARMUP_TOKENS each, or whole where a short warm-up would leave work to the timed run. HF's static cache is sized
+    to a batch's prompts and max_new_tokens, and generate compiles its forward for that size. A stream on the ticks
+    clock would hold each request two steps and never build the timed run's batches (e4: 60-odd decodes beside a
+    prompt), so what those first meet (allocations, kernel variants) would be met while timed. Either costs what the
+    timed run costs."""
+    whole = config.engine == "hf_generate_static" or (workload.clock == "ticks" and not workload.offline)
+    return workload.warmup(max(r.max_tokens for r in workload.requests) if whole else WARMUP_TOKENS)
+
+
 def release(device: torch.device) -> None:
     """Give the finished driver's memory back before the next configuration allocates its own."""
     gc.collect()
