@@ -6,7 +6,7 @@
 
 Beside the three policies, continuous scheduling (on the session's backend) with a small step token
 budget (sizes.e4_budget): a prompt is prefilled in chunks beside the running decodes, so no decode waits
-behind a whole prompt (or several), which bounds the ITL's tail at the cost of TTFT.
+behind a whole prompt (or several): the lever that trades TTFT for the ITL's tail.
 """
 
 import pytest
