@@ -20,6 +20,7 @@ from weft.layers.linear import (
     DECODE_ROWS,
     DECODE_TILES,
     FLOAT32_TILES,
+    GROUP_M,
     INVARIANT_ROWS,
     PREFILL_TILES,
     TUNED,
@@ -49,6 +50,7 @@ GPU_SHAPES = [pytest.param(s, marks=pytest.mark.gpu) for s in ((4096, 1024), (10
                                                               (1024, 3072))]
 # (offset, rows) slices of the full batch: one row, a few from mid-tile, more than a tile, all of it
 SLICES = [(5, 1), (3, 7), (11, 70), (0, 140)]
+STEP_64 = Tiles(128, 256, 8, 3, 64)  # the widest tile, in steps of 64: steps of 128 would outgrow shared memory
 
 
 def operands(N: int, K: int, dtype: torch.dtype, device, bias: bool, M: int = 140):
@@ -69,11 +71,35 @@ def test_matches_float64_and_every_row_keeps_its_bits(device, dtype, shape, bias
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-3)
     assert ((full.double() - want) / scale).abs().max() <= TOL[dtype]
+    tiles_tried = set(tile_choices(dtype))
+    if device.type == "cuda" and dtype.itemsize == 2:  # the GPU's MMAs add a step's products in K order
+        tiles_tried.add(STEP_64)
     for offset, M in SLICES:
         for split in (False, True):
-            for tiles in set(tile_choices(dtype)):
+            for tiles in tiles_tried:
                 got = matmul_kernel(x[offset : offset + M].contiguous(), w, b, split=split, tiles=tiles)
                 assert torch.equal(got, full[offset : offset + M]), (offset, M, split, tiles)
+
+
+def test_a_loop_per_chunk_and_row_tiles_in_groups_keep_the_bits(device, monkeypatch):
+    """A whole-K launch over chunks of NESTED_STEPS or more steps loops per chunk (here every chunk of 2, the last
+    past K's end), and more row tiles than GROUP_M run in groups (the last one short): every tile is computed once,
+    each row with the bits of one loop over every step, of a split launch and of a lone row."""
+    from weft.layers import linear
+
+    N, K, M = 96, 1000, 9 * FLOAT32_TILES.block_m + 5
+    p = plan(N, K)
+    assert p.splits > 1 and p.chunk_k // BLOCK_K == 2 and p.splits * p.chunk_k > K  # the case is what it says
+    assert M > GROUP_M * FLOAT32_TILES.block_m
+    x, w, _ = operands(N, K, torch.float32, device, False, M=M)
+    one_loop = matmul_kernel(x, w, None, split=False, tiles=FLOAT32_TILES)
+    monkeypatch.setattr(linear, "NESTED_STEPS", 2)
+    full = matmul_kernel(x, w, None, split=False, tiles=FLOAT32_TILES)
+    want = F.linear(x.double(), w.double())
+    assert ((full.double() - want) / want.abs().amax(-1, keepdim=True)).abs().max() <= TOL[torch.float32]
+    assert torch.equal(full, one_loop)
+    assert torch.equal(matmul_kernel(x[-3:].contiguous(), w, None, split=True, tiles=FLOAT32_TILES), full[-3:])
+    assert torch.equal(matmul_kernel(x[7:8].contiguous(), w, None, split=False, tiles=FLOAT32_TILES), full[7:8])
 
 
 def test_the_plan_depends_on_n_and_k_alone_and_splits_only_where_a_tile_is_short_of_work():
@@ -142,12 +168,12 @@ def test_after_prepare_no_row_count_compiles_a_kernel():
 
 
 # decode launches: one chunk, chunks that divide K, a last chunk past K's end; narrow and wide tiles
-DECODE_LAUNCHES = [DecodeLaunch(Tiles(DECODE_ROWS, n, 4, 3), k, s, DECODE_ROWS)
+DECODE_LAUNCHES = [DecodeLaunch(Tiles(DECODE_ROWS, n, 4, 3, k), s, DECODE_ROWS)
                    for n, k, s in ((16, 64, 1), (32, 128, 4), (64, 64, 3))]
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
-@pytest.mark.parametrize("launch", DECODE_LAUNCHES, ids=lambda d: f"{d.tiles.block_n}x{d.block_k}s{d.splits}")
+@pytest.mark.parametrize("launch", DECODE_LAUNCHES, ids=lambda d: f"{d.tiles.block_n}x{d.tiles.block_k}s{d.splits}")
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("K", [1000, 1536], ids=["K-ragged", "K-even"])  # chunks past K's end, or ending at it
 def test_decode_launches_match_float64_and_a_rows_bits_do_not_follow_m(device, dtype, launch, bias, K):
@@ -159,14 +185,14 @@ def test_decode_launches_match_float64_and_a_rows_bits_do_not_follow_m(device, d
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-3)
     assert ((full.double() - want) / scale).abs().max() <= TOL[dtype]
-    p = chunks(K, launch.block_k, launch.splits)
+    p = chunks(K, launch.tiles.block_k, launch.splits)
     assert p.splits == launch.splits and (p.splits * p.chunk_k == K) == (K == 1536)  # the cases are what they say
     for offset, M in ((0, 1), (7, 1), (3, 5)):
         assert torch.equal(decode_matmul(x[offset : offset + M].contiguous(), w, b, launch), full[offset : offset + M])
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
-@pytest.mark.parametrize("launch", DECODE_LAUNCHES, ids=lambda d: f"{d.tiles.block_n}x{d.block_k}s{d.splits}")
+@pytest.mark.parametrize("launch", DECODE_LAUNCHES, ids=lambda d: f"{d.tiles.block_n}x{d.tiles.block_k}s{d.splits}")
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("K", [1000, 1536], ids=["K-ragged", "K-even"])
 def test_a_gated_decode_launch_is_silu_and_mul_of_its_product(device, dtype, launch, bias, K):

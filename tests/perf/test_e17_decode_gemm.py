@@ -26,7 +26,7 @@ from weft.models.loader import resolve_model
 
 pytestmark = pytest.mark.perf
 
-CPU_LAUNCH = DecodeLaunch(Tiles(DECODE_ROWS, 32, 4, 3), 64, 2, DECODE_ROWS)
+CPU_LAUNCH = DecodeLaunch(Tiles(DECODE_ROWS, 32, 4, 3, 64), 2, DECODE_ROWS)
 LAYERS = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
@@ -63,7 +63,7 @@ def gpu_seconds(N: int, K: int, M: int, dtype: torch.dtype, gated: bool) -> tupl
         return cublas, cublas, "cublas"
     t = launch.tiles
     return (shape.triton_s(launch, M, VERIFY_ROUNDS, gated), cublas,
-            f"{t.block_n}x{launch.block_k} w{t.num_warps} s{t.num_stages}, {launch.splits} splits")
+            f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}, {launch.splits} splits")
 
 
 @pytest.mark.parametrize("M", [1, DECODE_ROWS])

@@ -55,9 +55,12 @@ ROWS = (1, 2, 4, 8, DECODE_ROWS)  # the row counts compared with cuBLAS (a decod
 # differ by up to 5%: results/logs/h200_tune_gemm_f499d27.log)
 MARGIN = 1.0
 VERIFY_ROUNDS = 21  # the comparison's replays (the search's: 5)
-# the batch-invariant kernel's candidates (block_m, block_n, num_warps, num_stages): rows in whole warpgroups of 64
-INVARIANT_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
-                   (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3)]
+# the batch-invariant kernel's candidates (block_m, block_n, num_warps, num_stages, block_k): rows in whole
+# warpgroups of 64; steps of 64 for the widest tiles, whose steps of 128 outgrow shared memory, and for deeper pipelines
+INVARIANT_TILES = [(64, 64, 4, 3, 128), (64, 64, 4, 4, 128), (64, 128, 4, 3, 128), (64, 128, 4, 4, 128),
+                   (64, 256, 4, 3, 128), (128, 64, 4, 3, 128), (128, 64, 8, 3, 128), (128, 128, 8, 3, 128),
+                   (64, 128, 4, 4, 64), (64, 256, 4, 4, 64), (128, 128, 4, 4, 64), (128, 128, 8, 4, 64),
+                   (128, 256, 8, 3, 64), (128, 256, 8, 4, 64)]
 SPLIT_ROWS = 256  # past these rows a split's float32 partials cost more than its programs gain: not tried
 LOGIT_ROWS = 256  # EngineConfig.max_num_seqs's default: the most rows the LM head computes
 ROTATION_BYTES = 256 << 20  # weight bytes cycled through per timing: several times the H200's L2
@@ -110,7 +113,7 @@ class Shape:
                 if splits in seen or (splits > 1 and n_tiles * splits > MOST_PROGRAMS):
                     continue
                 seen.add(splits)
-                out.append(DecodeLaunch(Tiles(DECODE_ROWS, block_n, warps, stages), block_k, splits, DECODE_ROWS))
+                out.append(DecodeLaunch(Tiles(DECODE_ROWS, block_n, warps, stages, block_k), splits, DECODE_ROWS))
         return out
 
 
@@ -124,7 +127,8 @@ def tune(N: int, K: int, dtype: torch.dtype, copy_gbps: float, gated: bool = Fal
     for launch in shape.candidates(gated):
         t1, t16 = shape.triton_s(launch, 1, gated=gated), shape.triton_s(launch, DECODE_ROWS, gated=gated)
         timed.append((t1 + t16, launch))
-        print(f"  {N}x{K} {launch.tiles.block_n}x{launch.block_k}w{launch.tiles.num_warps}s{launch.tiles.num_stages}"
+        t = launch.tiles
+        print(f"  {N}x{K} {t.block_n}x{t.block_k}w{t.num_warps}s{t.num_stages}"
               f" splits={launch.splits}: M=1 {t1 * 1e6:.1f} us ({floor / t1:.0%} of copy), M={DECODE_ROWS} "
               f"{t16 * 1e6:.1f} us", flush=True)
     best = min(timed, key=lambda t: t[0])[1]
@@ -138,13 +142,14 @@ def tune(N: int, K: int, dtype: torch.dtype, copy_gbps: float, gated: bool = Fal
         max_rows = M
     del shape
     torch.cuda.empty_cache()
-    return DecodeLaunch(best.tiles, best.block_k, best.splits, max_rows) if max_rows else None
+    return DecodeLaunch(best.tiles, best.splits, max_rows) if max_rows else None
 
 
 def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict[str, dict]:
     """The batch-invariant kernel's fastest launch for (N, K) at each of INVARIANT_ROWS up to `most_rows`: of
     INVARIANT_TILES, each whole and split into the plan's chunks, only those whose bits are the rule of thumb's
-    small tiles' (any tile of BLOCK_K steps should give them: a launch that did not would be reported and left out)."""
+    small tiles' (any tile of either step should give them on the GPU: a launch that did not would be reported and left
+out)."""
     rows = [r for r in INVARIANT_ROWS if r <= most_rows]
     shape = Shape(N, K, dtype, rows[-1])
     out = {}
@@ -152,8 +157,8 @@ def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict[s
         x, w = shape.x[:M], shape.weights[0]
         want = matmul_kernel(x, w, None, False, DECODE_TILES)
         timed = []
-        for block_m, block_n, warps, stages in INVARIANT_TILES:
-            tiles = Tiles(block_m, block_n, warps, stages)
+        for block_m, block_n, warps, stages, block_k in INVARIANT_TILES:
+            tiles = Tiles(block_m, block_n, warps, stages, block_k)
             for split in (False, True) if plan(N, K).splits > 1 and M <= SPLIT_ROWS else (False,):
                 try:
                     same = torch.equal(matmul_kernel(x, w, None, split, tiles), want)
@@ -163,7 +168,7 @@ def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict[s
                     print(f"  {N}x{K} M={M} {tiles} split={split}: NOT the same bits, left out", flush=True)
                     continue
                 timed.append((shape.invariant_s(tiles, split, M), tiles, split))
-                print(f"  {N}x{K} M={M} {block_m}x{block_n}w{warps}s{stages} split={split}: "
+                print(f"  {N}x{K} M={M} {block_m}x{block_n}x{block_k}w{warps}s{stages} split={split}: "
                       f"{timed[-1][0] * 1e6:.1f} us", flush=True)
         if not timed:
             raise RuntimeError(f"{N}x{K} M={M}: no candidate fits the GPU and keeps the bits")

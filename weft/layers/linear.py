@@ -6,8 +6,8 @@ change in the last bits with the batch it shares (issue 33: 11 of 48 requests al
 batched). `batch_invariant_linear` fixes every choice that touches a row's sums from (N, K) alone:
 
 - On CUDA, one Triton kernel. Each output element's dot product runs over K in `splits` chunks of
-  `chunk_k` (both from N and K: `plan`), each chunk summed from 0 in BLOCK_K steps (the same MMA
-  instructions whatever the tile: `Tiles`), then the chunks' sums added in order: ((0 + c_0) + c_1)
+  `chunk_k` (both from N and K: `plan`), each chunk summed from 0 in steps of the tile's block_k (the same MMA
+  instructions, in K order, whatever the tile: `Tiles`), then the chunks' sums added in order: ((0 + c_0) + c_1)
   + ... Only the tile and the grid depend on M: few
   rows (a decode) run one program per chunk, whose float32 partials the last one to finish adds up
   in that order; many rows run one program per tile, which adds its chunks as it goes. Both add the
@@ -36,7 +36,12 @@ from torch import nn
 
 from weft.layers.fused import dependent_launch, follow, silu_times
 
-BLOCK_K = 128  # the one step along K: every tile shape sums a row's products in these steps, in order
+BLOCK_K = 128  # the step along K that `plan`'s chunks are made of, and the tiles' unless they say otherwise
+# A tile's loop over a chunk's steps is pipelined; at a chunk's end it starts again (the pipeline fills again) where
+# chunks are at least this many steps, and below it one loop runs over every chunk, ending each by selects, which
+# keep the next step's MMA waiting (results/logs/h100_invariant_variants_58a91cf.log)
+NESTED_STEPS = 4
+GROUP_M = 8  # a whole-K grid runs GROUP_M row tiles per column tile in turn, so a weight tile is read once for them
 PLAN_BLOCK_N = 64  # the tile width `plan` counts programs in (whatever width a launch then uses)
 PROGRAMS = 256  # the programs a one-tile decode should spread over (about two per SM on an H200's 132)
 COUNTERS = 4096  # arrival counters per device: the most tiles a split launch may have
@@ -67,14 +72,17 @@ class Linear(nn.Linear):
 
 @dataclass(frozen=True)
 class Tiles:
-    """A launch's tile: block_m x block_n outputs per program over BLOCK_K steps, its warps and pipeline stages.
-    Tiles of one BLOCK_K run the same MMA instruction per 64 rows (m64, one warpgroup per 64 rows), so a row's sums
-    do not depend on them (tests/kernels/test_kernel_matmul.py checks each pair on the GPU)."""
+    """A launch's tile: block_m x block_n outputs per program over steps of block_k, its warps and pipeline stages.
+    On the GPU every tile runs the same MMA instruction per 64 rows (m64, one warpgroup per 64 rows) and a step's
+    MMAs add into the accumulator in K order, so neither the tile nor its step changes a row's sums
+    (tests/kernels/test_kernel_matmul.py checks pairs on the GPU; the tuner checks every launch it keeps). Triton's
+    interpreter sums a step's products apart and then adds them: there only tiles of one block_k agree."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    block_k: int = BLOCK_K
 
 
 # The H200's fastest of those measured (results/logs/h200_matmul_tiles_b36bab0.log): small tiles while rows are
@@ -172,21 +180,27 @@ def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, chunk_k, K, stride_xm, strid
 @triton.jit(do_not_specialize=["M", "splits"])
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    splits, chunk_k, CHUNKED: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    splits, chunk_k, CHUNKED: tl.constexpr, NESTED: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Rows past M are masked (a decode's one row loads one row: clamped, the tile's rows each loaded it again, and
     # decodes ran slower, results/logs/h200_tune_gemm_58661a0.log); columns past the output's are clamped: they read
     # real memory, and their results are not stored. GATED: the weight is an MLP's gate, then its up, and a tile
     # sums both halves' columns for SiLU(gate) x up.
-    if SPLIT_GRID:
-        split, pid_n, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    else:
-        split, pid_n, pid_m = 0, tl.program_id(0), tl.program_id(1)
     if GATED:
         n_out = N // 2
     else:
         n_out = N
+    if SPLIT_GRID:
+        split, pid_n, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:  # GROUP_M row tiles (or the last group's fewer) take each column tile in turn
+        split, pid = 0, tl.program_id(0)
+        n_tiles, m_tiles = tl.cdiv(n_out, BLOCK_N), tl.cdiv(M, BLOCK_M)
+        first_m = pid // (GROUP_M * n_tiles) * GROUP_M
+        group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+        in_group = pid % (GROUP_M * n_tiles)
+        pid_m, pid_n = first_m + in_group % group_rows, in_group // group_rows
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, cols_in = rows < M, tl.minimum(cols, n_out - 1)
@@ -214,21 +228,27 @@ def _matmul_kernel(
             tl.store(counter, 0)  # ready for the next launch
             _store(out_ptr, bias_ptr, total, up, rows, cols, cols_in, out_ok, stride_om, n_out, HAS_BIAS, GATED)
     else:
-        total = _whole(x_ptr, w_ptr, rows, row_ok, cols_in, K, stride_xm, stride_wn, splits, chunk_k, CHUNKED, EVEN_K,
-                       BLOCK_M, BLOCK_N, BLOCK_K)
+        total = _whole(x_ptr, w_ptr, rows, row_ok, cols_in, K, stride_xm, stride_wn, splits, chunk_k, CHUNKED, NESTED,
+                       EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
         if GATED:
             up = _whole(x_ptr, w_ptr, rows, row_ok, cols_in + n_out, K, stride_xm, stride_wn, splits, chunk_k,
-                        CHUNKED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+                        CHUNKED, NESTED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
         _store(out_ptr, bias_ptr, total, up, rows, cols, cols_in, out_ok, stride_om, n_out, HAS_BIAS, GATED)
 
 
 @triton.jit
 def _whole(x_ptr, w_ptr, rows, row_ok, cols, K, stride_xm, stride_wn, splits, chunk_k, CHUNKED: tl.constexpr,
-           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x[rows] @ w[cols]^T [BLOCK_M, BLOCK_N] in float32 over all of K, its chunks' sums added in order. One loop over
-    every chunk's steps (so loads run ahead across chunk ends): at a chunk's last step its sum joins the total and
-    starts again from 0, by selects, which change no bits."""
+           NESTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr):
+    """x[rows] @ w[cols]^T [BLOCK_M, BLOCK_N] in float32 over all of K, its chunks' sums added in order. NESTED: a loop
+    per chunk (`_chunk`); else one loop over every chunk's steps (so loads run ahead across chunk ends), where at a
+    chunk's last step its sum joins the total and starts again from 0, by selects. Both add the same numbers."""
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if NESTED:
+        for c in range(0, splits):
+            total += _chunk(x_ptr, w_ptr, rows, row_ok, cols, c * chunk_k, chunk_k, K, stride_xm, stride_wn, BLOCK_M,
+                            BLOCK_N, BLOCK_K, EVEN_K)
+        return total
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     steps = chunk_k // BLOCK_K
     for i in range(0, splits * steps):
@@ -310,13 +330,13 @@ def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     p = plan(N, K)
     chosen_tiles, chosen_split = launch_for(M, N, K, x.dtype, _gpu_name(x.device.index) if x.is_cuda else None)
     split = chosen_split if split is None else split and p.splits > 1
-    return _launch(x, weight, bias, tiles or chosen_tiles, BLOCK_K, p, split)
+    return _launch(x, weight, bias, tiles or chosen_tiles, p, split)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: Tiles, block_k: int,
-            p: MatmulPlan, split: bool, gated: bool = False) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N]: `t`'s tiles summing p's chunks of K in block_k steps, one
-    program per chunk (`split`) or per tile. `gated`: weight is an MLP's gate, then its up; -> SiLU(gate) x up
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: Tiles, p: MatmulPlan, split: bool,
+            gated: bool = False) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N]: `t`'s tiles summing p's chunks of K in t.block_k steps,
+    one program per chunk (`split`) or per tile. `gated`: weight is an MLP's gate, then its up; -> SiLU(gate) x up
     [M, N / 2]."""
     M, K = x.shape
     N = weight.shape[0]
@@ -329,13 +349,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t:
     assert not split or m_tiles * n_tiles <= COUNTERS, "a split launch needs an arrival counter per tile"
     partials = torch.empty(p.splits, M, N, dtype=torch.float32, device=x.device) if split else out
     counters = arrival_counters(x.device) if x.is_cuda else torch.zeros(m_tiles * n_tiles, dtype=torch.int32)
-    grid = (p.splits, n_tiles, m_tiles) if split else (n_tiles, m_tiles)
+    assert p.chunk_k % t.block_k == 0
+    grid = (p.splits, n_tiles, m_tiles) if split else (n_tiles * m_tiles,)
     _matmul_kernel[grid](
         x, weight, bias if bias is not None else weight, out, partials, counters, M, N, K,
         x.stride(0), weight.stride(0), out.stride(0),
-        p.splits, p.chunk_k, CHUNKED=p.splits > 1, SPLIT_GRID=split, HAS_BIAS=bias is not None,
-        EVEN_K=p.splits * p.chunk_k == K, GATED=gated,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        p.splits, p.chunk_k, CHUNKED=p.splits > 1, NESTED=p.splits > 1 and p.chunk_k // t.block_k >= NESTED_STEPS,
+        SPLIT_GRID=split, HAS_BIAS=bias is not None, EVEN_K=p.splits * p.chunk_k == K, GATED=gated,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
         enable_fp_fusion=not gated,  # SiLU x up as weft.layers.fused's kernel computes it, unfused
         **dependent_launch(x.device),
     )
@@ -355,21 +376,22 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 @dataclass(frozen=True)
 class DecodeLaunch:
     """A launch for up to `max_rows` rows (at most DECODE_ROWS) of one [N, K] weight: `tiles` summing K in `splits`
-    chunks of block_k steps, one program per chunk where there are several. A weight-bound regime: the tiles are
-    narrow and the chunks many, so that enough programs stream the weight at once."""
+    chunks of their block_k steps, one program per chunk where there are several. A weight-bound regime: the tiles
+    are narrow and the chunks many, so that enough programs stream the weight at once."""
 
     tiles: Tiles
-    block_k: int
     splits: int
     max_rows: int
 
     def record(self) -> dict:
         """The launch's entry in TUNED's "decode" or "gated" section."""
-        return dict(asdict(self), tiles={k: v for k, v in asdict(self.tiles).items() if k != "block_m"})
+        tiles = {k: v for k, v in asdict(self.tiles).items() if k not in ("block_m", "block_k")}
+        return dict(tiles=tiles, block_k=self.tiles.block_k, splits=self.splits, max_rows=self.max_rows)
 
     @staticmethod
     def from_record(entry: dict) -> DecodeLaunch:
-        return DecodeLaunch(**{**entry, "tiles": Tiles(DECODE_ROWS, **entry["tiles"])})
+        return DecodeLaunch(Tiles(DECODE_ROWS, **entry["tiles"], block_k=entry["block_k"]), entry["splits"],
+                            entry["max_rows"])
 
 
 @dataclass(frozen=True)
@@ -406,7 +428,7 @@ def tuned(gpu: str, dtype: torch.dtype) -> TunedLaunches:
 
 def invariant_launch(entry: dict) -> tuple[Tiles, bool]:
     """A TUNED "invariant" entry: the tiles' fields and split."""
-    return Tiles(*(entry[f] for f in ("block_m", "block_n", "num_warps", "num_stages"))), entry["split"]
+    return Tiles(*(entry[f] for f in ("block_m", "block_n", "num_warps", "num_stages", "block_k"))), entry["split"]
 
 
 @functools.cache
@@ -428,5 +450,5 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   gated: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] by `launch` (M <= DECODE_ROWS); `gated`: weight is an MLP's
     gate, then its up -> SiLU(gate) x up [M, N / 2], the bits of weft.layers.fused.silu_and_mul over the product."""
-    p = chunks(x.shape[1], launch.block_k, launch.splits)
-    return _launch(x, weight, bias, launch.tiles, launch.block_k, p, p.splits > 1, gated)
+    p = chunks(x.shape[1], launch.tiles.block_k, launch.splits)
+    return _launch(x, weight, bias, launch.tiles, p, p.splits > 1, gated)
