@@ -1,4 +1,4 @@
-"""The MoE's Triton kernels, and the attention kernels' forms for a mixed steps' CUDA graph (early exits past the
+"""The MoE's Triton kernels, the linear layers' matmul, and the attention kernels' forms for a mixed steps' CUDA graph (early exits past the
 step's counts), compiled for an H100/H200 (sm_90, bf16, the launches' constants) on any machine, GPU or not: the CPU
 tests run them in Triton's interpreter, which accepts code the GPU compiler refuses (the pair kernels' first `tl.dot`
 form passed the interpreter and failed to compile on the GPU: results/HISTORY.md). The compiler runs in a process of
@@ -17,15 +17,16 @@ pytestmark = pytest.mark.kernels
 POINTERS = {"ids_ptr": "*i64", "pairs_ptr": "*i64", "block_expert_ptr": "*i64", "counters_ptr": "*i32",
             "counts_ptr": "*i32", "table_ptr": "*i32", "context_lens_ptr": "*i32", "arrivals_ptr": "*i32",
             "shared_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32",
-            "shared_o_ptr": "*fp32", "shared_lse_ptr": "*fp32"}  # every other pointer: bf16
+            "shared_o_ptr": "*fp32", "shared_lse_ptr": "*fp32", "partials_ptr": "*fp32"}  # every other pointer: bf16
 SCALARS = {"scale_log2": "fp32"}  # every other scalar: i32
 
 
 def kernels() -> list[tuple[object, dict[str, object]]]:
     """(kernel, its constexprs, its warps and stages) as weft.layers.moe launches them for the Qwen3-30B-A3B shape (E
-    2048, 128 experts, top 8), and the attention kernels counted, for Qwen3-0.6B's heads (16 and 8 of 128)."""
+    2048, 128 experts, top 8), the attention kernels counted, for Qwen3-0.6B's heads (16 and 8 of 128), and the
+    linear layers' matmul: whole K in a loop per chunk with the widest tile in steps of 64, and split."""
     from weft.attention.kernels import decode, prefill
-    from weft.layers import moe
+    from weft.layers import linear, moe
 
     def pair(launch: moe.PairLaunch, **constexprs: object) -> dict[str, object]:
         return dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, num_warps=launch.num_warps, PDL=True, **constexprs)
@@ -36,7 +37,15 @@ def kernels() -> list[tuple[object, dict[str, object]]]:
     split = dict(decode._constexprs(16, 8, 128, 16, decode.SHALLOW_TILES, 0, False, True), PDL=True)
     counted_prefill = dict(GROUP=2, D=128, D_PAD=128, P=16, BLOCK_M=prefill.BLOCK_M, BLOCK_N=64, WINDOW=0,
                            COUNTED=True, num_warps=prefill.NUM_WARPS, num_stages=prefill.NUM_STAGES)
+    matmul = dict(CHUNKED=True, HAS_BIAS=False, EVEN_K=True, GATED=False, GROUP_M=linear.GROUP_M, PDL=True)
+    wide, small = linear.Tiles(128, 256, 8, 3, 64), linear.DECODE_TILES
     return [
+        (linear._matmul_kernel, dict(matmul, NESTED=True, SPLIT_GRID=False, BLOCK_M=wide.block_m,
+                                     BLOCK_N=wide.block_n, BLOCK_K=wide.block_k, num_warps=wide.num_warps,
+                                     num_stages=wide.num_stages)),
+        (linear._matmul_kernel, dict(matmul, NESTED=False, SPLIT_GRID=True, BLOCK_M=small.block_m,
+                                     BLOCK_N=small.block_n, BLOCK_K=small.block_k, num_warps=small.num_warps,
+                                     num_stages=small.num_stages)),
         (moe._pair_gate_up_kernel, pair(moe.PAIR_GATE_UP)),
         (moe._pair_down_kernel, pair(moe.PAIR_DOWN, TOP_K=8)),
         (moe._router_kernel, dict(route, ROWS=moe.ROUTER_ROWS, BLOCK_K=moe.ROUTER_BLOCK_K)),
@@ -68,7 +77,7 @@ def compile_all() -> None:
         print(kernel.fn.__name__, constants, "compiled")
 
 
-def test_moe_kernels_compile_for_the_gpu():
+def test_kernels_compile_for_the_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]

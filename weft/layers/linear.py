@@ -181,8 +181,8 @@ def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, chunk_k, K, stride_xm, strid
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     splits, chunk_k, CHUNKED: tl.constexpr, NESTED: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, GATED: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # Rows past M are masked (a decode's one row loads one row: clamped, the tile's rows each loaded it again, and
     # decodes ran slower, results/logs/h200_tune_gemm_58661a0.log); columns past the output's are clamped: they read
@@ -355,7 +355,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t:
         x, weight, bias if bias is not None else weight, out, partials, counters, M, N, K,
         x.stride(0), weight.stride(0), out.stride(0),
         p.splits, p.chunk_k, CHUNKED=p.splits > 1, NESTED=p.splits > 1 and p.chunk_k // t.block_k >= NESTED_STEPS,
-        SPLIT_GRID=split, HAS_BIAS=bias is not None, EVEN_K=p.splits * p.chunk_k == K, GATED=gated,
+        SPLIT_GRID=split, HAS_BIAS=bias is not None, EVEN_K=p.splits * p.chunk_k == K, GATED=gated, GROUP_M=GROUP_M,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
         enable_fp_fusion=not gated,  # SiLU x up as weft.layers.fused's kernel computes it, unfused
         **dependent_launch(x.device),
