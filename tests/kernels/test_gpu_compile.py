@@ -1,8 +1,9 @@
-"""The MoE's Triton kernels, the linear layers' matmul, and the attention kernels' forms for a mixed steps' CUDA graph (early exits past the
-step's counts), compiled for an H100/H200 (sm_90, bf16, the launches' constants) on any machine, GPU or not: the CPU
-tests run them in Triton's interpreter, which accepts code the GPU compiler refuses (the pair kernels' first `tl.dot`
-form passed the interpreter and failed to compile on the GPU: results/HISTORY.md). The compiler runs in a process of
-its own, without TRITON_INTERPRET (under it, `triton.jit` makes interpreted functions)."""
+"""The MoE's Triton kernels, the linear layers' matmul, and the attention kernels' forms for a mixed steps' CUDA
+graph (early exits past the step's counts), compiled for an H100/H200 (sm_90, bf16, the launches' constants) on any
+machine, GPU or not: the CPU tests run them in Triton's interpreter, which accepts code the GPU compiler refuses (the
+pair kernels' first `tl.dot` form passed the interpreter and failed to compile on the GPU, and the matmul's first
+grouped order read a global: results/HISTORY.md). The compiler runs in a process of its own, without
+TRITON_INTERPRET (under it, `triton.jit` makes interpreted functions)."""
 
 from __future__ import annotations
 
