@@ -131,8 +131,8 @@ def test_prepare_compiles_the_launches_each_row_count_makes():
                 assert launch_variants(N, K, torch.bfloat16, INVARIANT_ROWS[-1], gpu) == set(by_rows.values())
 
 
-# In a process of its own: the kernel compiles once per tile (the plan is an argument), so in the tests' process
-# other tests may have compiled every launch prepare would.
+# In a process of its own: the kernel compiles once per tile and loop form (the plan is an argument), so in the tests'
+# process other tests may have compiled every launch prepare would.
 PREPARE_SCRIPT = """
 import json, torch, triton
 from weft.layers.linear import Linear, decode_launch, prepare

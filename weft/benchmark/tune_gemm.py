@@ -148,8 +148,8 @@ def tune(N: int, K: int, dtype: torch.dtype, copy_gbps: float, gated: bool = Fal
 def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict[str, dict]:
     """The batch-invariant kernel's fastest launch for (N, K) at each of INVARIANT_ROWS up to `most_rows`: of
     INVARIANT_TILES, each whole and split into the plan's chunks, only those whose bits are the rule of thumb's
-    small tiles' (any tile of either step should give them on the GPU: a launch that did not would be reported and left
-out)."""
+    small tiles' (any tile of either step should give them on the GPU: one that did not would be reported and left
+    out)."""
     rows = [r for r in INVARIANT_ROWS if r <= most_rows]
     shape = Shape(N, K, dtype, rows[-1])
     out = {}

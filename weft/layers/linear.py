@@ -5,13 +5,12 @@ kernel from the whole shape, M included, and a split of K from it too, so a requ
 change in the last bits with the batch it shares (issue 33: 11 of 48 requests alike alone and
 batched). `batch_invariant_linear` fixes every choice that touches a row's sums from (N, K) alone:
 
-- On CUDA, one Triton kernel. Each output element's dot product runs over K in `splits` chunks of
-  `chunk_k` (both from N and K: `plan`), each chunk summed from 0 in steps of the tile's block_k (the same MMA
-  instructions, in K order, whatever the tile: `Tiles`), then the chunks' sums added in order: ((0 + c_0) + c_1)
-  + ... Only the tile and the grid depend on M: few
-  rows (a decode) run one program per chunk, whose float32 partials the last one to finish adds up
-  in that order; many rows run one program per tile, which adds its chunks as it goes. Both add the
-  same numbers in the same order, so they agree bit for bit (tests/kernels/test_kernel_matmul.py).
+- On CUDA, one Triton kernel. Each output element's dot product runs over K in `splits` chunks of `chunk_k`
+  (both from N and K: `plan`), each chunk summed from 0 in steps of the tile's block_k (the same MMA instructions,
+  in K order, whatever the tile: `Tiles`), then the chunks' sums added in order: ((0 + c_0) + c_1) + ... Only the
+  tile and the grid depend on M: few rows (a decode) run one program per chunk, whose float32 partials the last
+  one to finish adds up in that order; many rows run one program per tile, which adds its chunks as it goes. Both
+  add the same numbers in the same order, so they agree bit for bit (tests/kernels/test_kernel_matmul.py).
 - Elsewhere, PyTorch's matmul over fixed blocks of ROWS rows (padded with zeros): every block is
   the same shape, so the BLAS runs the same kernel on each.
 
@@ -73,10 +72,11 @@ class Linear(nn.Linear):
 @dataclass(frozen=True)
 class Tiles:
     """A launch's tile: block_m x block_n outputs per program over steps of block_k, its warps and pipeline stages.
-    On the GPU every tile runs the same MMA instruction per 64 rows (m64, one warpgroup per 64 rows) and a step's
-    MMAs add into the accumulator in K order, so neither the tile nor its step changes a row's sums
-    (tests/kernels/test_kernel_matmul.py checks pairs on the GPU; the tuner checks every launch it keeps). Triton's
-    interpreter sums a step's products apart and then adds them: there only tiles of one block_k agree."""
+    On the GPU the batch-invariant tiles of 16-bit operands (rows in whole warpgroups of 64) run the same MMA
+    instruction per 64 rows and a step's MMAs add into the accumulator in K order, so neither the tile nor its step
+    changes a row's sums (tests/kernels/test_kernel_matmul.py checks pairs on the GPU; the tuner checks every launch
+    it keeps). Triton's interpreter sums a step's products apart and then adds them: there only tiles of one block_k
+    agree."""
 
     block_m: int
     block_n: int
@@ -176,7 +176,7 @@ def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, chunk_k, K, stride_xm, strid
 
 # M changes from step to step: not specialized on (M == 1, M % 16), or a serving run meets new variants, each a
 # compile, inside its steps (results/logs/h200_e16_compiles_ff4089a.log). The plan's splits and chunk are arguments
-# too, so that one compiled tile serves every weight.
+# too, so that a compiled tile serves every weight (of its loop form, NESTED: whether the chunks are long).
 @triton.jit(do_not_specialize=["M", "splits"])
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
@@ -354,7 +354,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t:
     _matmul_kernel[grid](
         x, weight, bias if bias is not None else weight, out, partials, counters, M, N, K,
         x.stride(0), weight.stride(0), out.stride(0),
-        p.splits, p.chunk_k, CHUNKED=p.splits > 1, NESTED=p.splits > 1 and p.chunk_k // t.block_k >= NESTED_STEPS,
+        p.splits, p.chunk_k, CHUNKED=p.splits > 1,
+        NESTED=not split and p.splits > 1 and p.chunk_k // t.block_k >= NESTED_STEPS,
         SPLIT_GRID=split, HAS_BIAS=bias is not None, EVEN_K=p.splits * p.chunk_k == K, GATED=gated, GROUP_M=GROUP_M,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
         enable_fp_fusion=not gated,  # SiLU x up as weft.layers.fused's kernel computes it, unfused
