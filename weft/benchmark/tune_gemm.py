@@ -56,11 +56,14 @@ ROWS = (1, 2, 4, 8, DECODE_ROWS)  # the row counts compared with cuBLAS (a decod
 MARGIN = 1.0
 VERIFY_ROUNDS = 21  # the comparison's replays (the search's: 5)
 # the batch-invariant kernel's candidates (block_m, block_n, num_warps, num_stages, block_k): rows in whole
-# warpgroups of 64; steps of 64 for the widest tiles, whose steps of 128 outgrow shared memory, and for deeper pipelines
+# warpgroups of 64; steps of 64 for the widest tiles, whose steps of 128 outgrow shared memory, and for deeper
+# pipelines; and at up to DECODE_ROWS rows the decode launches' row tiles, which run another MMA instruction (mma.sync,
+# not wgmma): kept only where they give the same bits, which is not known before a GPU says so
 INVARIANT_TILES = [(64, 64, 4, 3, 128), (64, 64, 4, 4, 128), (64, 128, 4, 3, 128), (64, 128, 4, 4, 128),
                    (64, 256, 4, 3, 128), (128, 64, 4, 3, 128), (128, 64, 8, 3, 128), (128, 128, 8, 3, 128),
                    (64, 128, 4, 4, 64), (64, 256, 4, 4, 64), (128, 128, 4, 4, 64), (128, 128, 8, 4, 64),
-                   (128, 256, 8, 3, 64), (128, 256, 8, 4, 64)]
+                   (128, 256, 8, 3, 64), (128, 256, 8, 4, 64),
+                   (DECODE_ROWS, 32, 4, 4, 128), (DECODE_ROWS, 64, 4, 4, 128), (DECODE_ROWS, 128, 4, 4, 128)]
 SPLIT_ROWS = 256  # past these rows a split's float32 partials cost more than its programs gain: not tried
 LOGIT_ROWS = 256  # EngineConfig.max_num_seqs's default: the most rows the LM head computes
 ROTATION_BYTES = 256 << 20  # weight bytes cycled through per timing: several times the H200's L2
@@ -158,6 +161,8 @@ def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict[s
         want = matmul_kernel(x, w, None, False, DECODE_TILES)
         timed = []
         for block_m, block_n, warps, stages, block_k in INVARIANT_TILES:
+            if block_m == DECODE_ROWS < M:
+                continue  # a decode's row tile, for more rows than a decode's
             tiles = Tiles(block_m, block_n, warps, stages, block_k)
             for split in (False, True) if plan(N, K).splits > 1 and M <= SPLIT_ROWS else (False,):
                 try:

@@ -75,8 +75,8 @@ class Tiles:
     On the GPU the batch-invariant tiles of 16-bit operands (rows in whole warpgroups of 64) run the same MMA
     instruction per 64 rows and a step's MMAs add into the accumulator in K order, so neither the tile nor its step
     changes a row's sums (tests/kernels/test_kernel_matmul.py checks pairs on the GPU; the tuner checks every launch
-    it keeps). Triton's interpreter sums a step's products apart and then adds them: there only tiles of one block_k
-    agree."""
+    it keeps, a decode's 16-row tiles, which run another instruction, among them). Triton's interpreter sums a
+    step's products apart and then adds them: there only tiles of one block_k agree."""
 
     block_m: int
     block_n: int
