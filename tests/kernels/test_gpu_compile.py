@@ -25,7 +25,8 @@ SCALARS = {"scale_log2": "fp32"}  # every other scalar: i32
 def kernels() -> list[tuple[object, dict[str, object]]]:
     """(kernel, its constexprs, its warps and stages) as weft.layers.moe launches them for the Qwen3-30B-A3B shape (E
     2048, 128 experts, top 8), the attention kernels counted, for Qwen3-0.6B's heads (16 and 8 of 128), and the
-    linear layers' matmul: whole K in a loop per chunk with the widest tile in steps of 64, and split."""
+    linear layers' matmul: whole K in a loop per chunk with the widest tile in steps of 64 (its operands read by
+    pointers and by tensor descriptors), and split."""
     from weft.attention.kernels import decode, prefill
     from weft.layers import linear, moe
 
@@ -41,11 +42,11 @@ def kernels() -> list[tuple[object, dict[str, object]]]:
     matmul = dict(CHUNKED=True, HAS_BIAS=False, EVEN_K=True, GATED=False, GROUP_M=linear.GROUP_M, PDL=True)
     wide, small = linear.Tiles(128, 256, 8, 3, 64), linear.DECODE_TILES
     return [
-        (linear._matmul_kernel, dict(matmul, NESTED=True, SPLIT_GRID=False, BLOCK_M=wide.block_m,
-                                     BLOCK_N=wide.block_n, BLOCK_K=wide.block_k, num_warps=wide.num_warps,
-                                     num_stages=wide.num_stages)),
+        *((linear._matmul_kernel, dict(matmul, NESTED=True, SPLIT_GRID=False, BLOCK_M=wide.block_m,
+                                       BLOCK_N=wide.block_n, BLOCK_K=wide.block_k, TMA=tma, num_warps=wide.num_warps,
+                                       num_stages=wide.num_stages)) for tma in (False, True)),
         (linear._matmul_kernel, dict(matmul, NESTED=False, SPLIT_GRID=True, BLOCK_M=small.block_m,
-                                     BLOCK_N=small.block_n, BLOCK_K=small.block_k, num_warps=small.num_warps,
+                                     BLOCK_N=small.block_n, BLOCK_K=small.block_k, TMA=False, num_warps=small.num_warps,
                                      num_stages=small.num_stages)),
         (moe._pair_gate_up_kernel, pair(moe.PAIR_GATE_UP)),
         (moe._pair_down_kernel, pair(moe.PAIR_DOWN, TOP_K=8)),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -74,6 +75,7 @@ def test_matches_float64_and_every_row_keeps_its_bits(device, dtype, shape, bias
     tiles_tried = set(tile_choices(dtype))
     if device.type == "cuda" and dtype.itemsize == 2:  # the GPU's MMAs add a step's products in K order
         tiles_tried.add(STEP_64)
+    tiles_tried |= {replace(t, tma=True) for t in tiles_tried}  # the same numbers, read by tensor descriptors
     for offset, M in SLICES:
         for split in (False, True):
             for tiles in tiles_tried:

@@ -55,15 +55,19 @@ ROWS = (1, 2, 4, 8, DECODE_ROWS)  # the row counts compared with cuBLAS (a decod
 # differ by up to 5%: results/logs/h200_tune_gemm_f499d27.log)
 MARGIN = 1.0
 VERIFY_ROUNDS = 21  # the comparison's replays (the search's: 5)
-# the batch-invariant kernel's candidates (block_m, block_n, num_warps, num_stages, block_k): rows in whole
-# warpgroups of 64; steps of 64 for the widest tiles, whose steps of 128 outgrow shared memory, and for deeper
-# pipelines; and at up to DECODE_ROWS rows the decode launches' row tiles, which run another MMA instruction (mma.sync,
-# not wgmma): kept only where they give the same bits, which is not known before a GPU says so
-INVARIANT_TILES = [(64, 64, 4, 3, 128), (64, 64, 4, 4, 128), (64, 128, 4, 3, 128), (64, 128, 4, 4, 128),
-                   (64, 256, 4, 3, 128), (128, 64, 4, 3, 128), (128, 64, 8, 3, 128), (128, 128, 8, 3, 128),
-                   (64, 128, 4, 4, 64), (64, 256, 4, 4, 64), (128, 128, 4, 4, 64), (128, 128, 8, 4, 64),
-                   (128, 256, 8, 3, 64), (128, 256, 8, 4, 64),
-                   (DECODE_ROWS, 32, 4, 4, 128), (DECODE_ROWS, 64, 4, 4, 128), (DECODE_ROWS, 128, 4, 4, 128)]
+# the batch-invariant kernel's candidates: rows in whole warpgroups of 64; steps of 64 for the widest tiles, whose
+# steps of 128 outgrow shared memory, and for deeper pipelines; the wide ones also with their operands read by TMA;
+# and at up to DECODE_ROWS rows the decode launches' row tiles, which run another MMA instruction (mma.sync, not
+# wgmma): kept only where they give the same bits, which is not known before a GPU says so
+INVARIANT_TILES = [
+    *(Tiles(*t) for t in ((64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
+                          (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3))),
+    *(Tiles(*t, block_k=64) for t in ((64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4), (128, 128, 8, 4),
+                                      (128, 256, 8, 3), (128, 256, 8, 4))),
+    *(Tiles(*t, tma=True) for t in ((64, 64, 4, 3, 128), (128, 128, 8, 3, 128), (64, 128, 4, 4, 64),
+                                    (128, 128, 8, 4, 64), (128, 256, 8, 3, 64), (128, 256, 8, 4, 64))),
+    *(Tiles(DECODE_ROWS, n, 4, 4) for n in (32, 64, 128)),
+]
 SPLIT_ROWS = 256  # past these rows a split's float32 partials cost more than its programs gain: not tried
 LOGIT_ROWS = 256  # EngineConfig.max_num_seqs's default: the most rows the LM head computes
 ROTATION_BYTES = 256 << 20  # weight bytes cycled through per timing: several times the H200's L2
@@ -160,10 +164,9 @@ def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict[s
         x, w = shape.x[:M], shape.weights[0]
         want = matmul_kernel(x, w, None, False, DECODE_TILES)
         timed = []
-        for block_m, block_n, warps, stages, block_k in INVARIANT_TILES:
-            if block_m == DECODE_ROWS < M:
+        for tiles in INVARIANT_TILES:
+            if tiles.block_m == DECODE_ROWS < M:
                 continue  # a decode's row tile, for more rows than a decode's
-            tiles = Tiles(block_m, block_n, warps, stages, block_k)
             for split in (False, True) if plan(N, K).splits > 1 and M <= SPLIT_ROWS else (False,):
                 try:
                     same = torch.equal(matmul_kernel(x, w, None, split, tiles), want)
@@ -173,8 +176,9 @@ def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict[s
                     print(f"  {N}x{K} M={M} {tiles} split={split}: NOT the same bits, left out", flush=True)
                     continue
                 timed.append((shape.invariant_s(tiles, split, M), tiles, split))
-                print(f"  {N}x{K} M={M} {block_m}x{block_n}x{block_k}w{warps}s{stages} split={split}: "
-                      f"{timed[-1][0] * 1e6:.1f} us", flush=True)
+                t = tiles
+                print(f"  {N}x{K} M={M} {t.block_m}x{t.block_n}x{t.block_k}w{t.num_warps}s{t.num_stages}"
+                      f"{' tma' if t.tma else ''} split={split}: {timed[-1][0] * 1e6:.1f} us", flush=True)
         if not timed:
             raise RuntimeError(f"{N}x{K} M={M}: no candidate fits the GPU and keeps the bits")
         seconds, tiles, split = min(timed, key=lambda t: t[0])

@@ -76,13 +76,16 @@ class Tiles:
     instruction per 64 rows and a step's MMAs add into the accumulator in K order, so neither the tile nor its step
     changes a row's sums (tests/kernels/test_kernel_matmul.py checks pairs on the GPU; the tuner checks every launch
     it keeps, a decode's 16-row tiles, which run another instruction, among them). Triton's interpreter sums a
-    step's products apart and then adds them: there only tiles of one block_k agree."""
+    step's products apart and then adds them: there only tiles of one block_k agree. `tma`: the operands are read
+    by the GPU's tensor memory accelerator (Hopper and later) where their rows allow it (`tma_ready`), which moves
+    the same numbers and leaves the registers to the sums, so wider tiles pay (results/logs/h100_tma_0825603.log)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     block_k: int = BLOCK_K
+    tma: bool = False
 
 
 # The H200's fastest of those measured (results/logs/h200_matmul_tiles_b36bab0.log): small tiles while rows are
@@ -149,27 +152,33 @@ def chunks(K: int, block_k: int, want: int) -> MatmulPlan:
 
 @triton.jit
 def _operands(x_ptr, w_ptr, rows, row_ok, cols, k0, K, stride_xm, stride_wn, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr):
+              EVEN_K: tl.constexpr, TMA: tl.constexpr):
     """x[rows, k0 : k0 + BLOCK_K] [BLOCK_M, BLOCK_K] and w[cols, same]^T [BLOCK_K, BLOCK_N], rows not `row_ok` and
-    columns at or past K read as 0; EVEN_K: the steps end at K, and no column is masked."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    a_at = x_ptr + rows[:, None] * stride_xm + k[None, :]
-    b_at = w_ptr + cols[None, :] * stride_wn + k[:, None]
-    if EVEN_K:
-        return tl.load(a_at, mask=row_ok[:, None], other=0.0), tl.load(b_at)
-    k_ok = k < K
-    return (tl.load(a_at, mask=row_ok[:, None] & k_ok[None, :], other=0.0),
-            tl.load(b_at, mask=k_ok[:, None], other=0.0))
+    columns at or past K read as 0; EVEN_K: BLOCK_K divides K, and no column is masked. TMA: x_ptr and w_ptr are
+    tensor descriptors and rows and cols the first row and column (their blocks read 0 past M, N and K)."""
+    if TMA:
+        a, b = x_ptr.load([rows, k0]), w_ptr.load([cols, k0]).T
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        a_at = x_ptr + rows[:, None] * stride_xm + k[None, :]
+        b_at = w_ptr + cols[None, :] * stride_wn + k[:, None]
+        if EVEN_K:
+            a, b = tl.load(a_at, mask=row_ok[:, None], other=0.0), tl.load(b_at)
+        else:
+            k_ok = k < K
+            a = tl.load(a_at, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_at, mask=k_ok[:, None], other=0.0)
+    return a, b
 
 
 @triton.jit
 def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, chunk_k, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
     """x[rows, start : start + chunk_k] @ w[cols, same]^T [BLOCK_M, BLOCK_N] in float32, summed from 0 a BLOCK_K at a
-    time (rows not `row_ok` and columns at or past K read as 0)."""
+    time (rows not `row_ok` read as 0). The last chunk ends at K: steps past it would only add zeros."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(start, start + chunk_k, BLOCK_K):
-        a, b = _operands(x_ptr, w_ptr, rows, row_ok, cols, k0, K, stride_xm, stride_wn, BLOCK_K, EVEN_K)
+    for k0 in range(start, tl.minimum(start + chunk_k, K), BLOCK_K):
+        a, b = _operands(x_ptr, w_ptr, rows, row_ok, cols, k0, K, stride_xm, stride_wn, BLOCK_K, EVEN_K, TMA)
         acc = tl.dot(a, b, acc, input_precision="ieee")
     return acc
 
@@ -182,7 +191,7 @@ def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     splits, chunk_k, CHUNKED: tl.constexpr, NESTED: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, GATED: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     # Rows past M are masked (a decode's one row loads one row: clamped, the tile's rows each loaded it again, and
     # decodes ran slower, results/logs/h200_tune_gemm_58661a0.log); columns past the output's are clamped: they read
@@ -205,17 +214,23 @@ def _matmul_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, cols_in = rows < M, tl.minimum(cols, n_out - 1)
     out_ok = row_ok[:, None] & (cols < n_out)[None, :]
-    follow(PDL)
+    follow(PDL)  # and then the descriptors: their scratch may be the kernel before's (see `tma_scratch`)
+    if TMA:
+        x_src = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+        w_src = tl.make_tensor_descriptor(w_ptr, [N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
+        a_rows, b_cols = pid_m * BLOCK_M, pid_n * BLOCK_N
+    else:
+        x_src, w_src, a_rows, b_cols = x_ptr, w_ptr, rows, cols_in
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SPLIT_GRID:
         at = partials_ptr + split * M * N + rows[:, None] * N + cols[None, :]
-        acc = _chunk(x_ptr, w_ptr, rows, row_ok, cols_in, split * chunk_k, chunk_k, K, stride_xm, stride_wn,
-                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        acc = _chunk(x_src, w_src, a_rows, row_ok, b_cols, split * chunk_k, chunk_k, K, stride_xm, stride_wn,
+                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
         tl.store(at, acc, mask=out_ok)
         if GATED:
-            acc = _chunk(x_ptr, w_ptr, rows, row_ok, cols_in + n_out, split * chunk_k, chunk_k, K, stride_xm,
-                         stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+            acc = _chunk(x_src, w_src, a_rows, row_ok, b_cols + n_out, split * chunk_k, chunk_k, K, stride_xm,
+                         stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
             tl.store(at + n_out, acc, mask=out_ok)
         tl.debug_barrier()  # every thread's partials are issued before the arrival counts
         counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
@@ -228,18 +243,18 @@ def _matmul_kernel(
             tl.store(counter, 0)  # ready for the next launch
             _store(out_ptr, bias_ptr, total, up, rows, cols, cols_in, out_ok, stride_om, n_out, HAS_BIAS, GATED)
     else:
-        total = _whole(x_ptr, w_ptr, rows, row_ok, cols_in, K, stride_xm, stride_wn, splits, chunk_k, CHUNKED, NESTED,
-                       EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        total = _whole(x_src, w_src, a_rows, row_ok, b_cols, K, stride_xm, stride_wn, splits, chunk_k, CHUNKED, NESTED,
+                       EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
         if GATED:
-            up = _whole(x_ptr, w_ptr, rows, row_ok, cols_in + n_out, K, stride_xm, stride_wn, splits, chunk_k,
-                        CHUNKED, NESTED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+            up = _whole(x_src, w_src, a_rows, row_ok, b_cols + n_out, K, stride_xm, stride_wn, splits, chunk_k,
+                        CHUNKED, NESTED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
         _store(out_ptr, bias_ptr, total, up, rows, cols, cols_in, out_ok, stride_om, n_out, HAS_BIAS, GATED)
 
 
 @triton.jit
 def _whole(x_ptr, w_ptr, rows, row_ok, cols, K, stride_xm, stride_wn, splits, chunk_k, CHUNKED: tl.constexpr,
            NESTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr):
+           BLOCK_K: tl.constexpr, TMA: tl.constexpr):
     """x[rows] @ w[cols]^T [BLOCK_M, BLOCK_N] in float32 over all of K, its chunks' sums added in order. NESTED: a loop
     per chunk (`_chunk`); else one loop over every chunk's steps (so loads run ahead across chunk ends), where at a
     chunk's last step its sum joins the total and starts again from 0, by selects. Both add the same numbers."""
@@ -247,15 +262,16 @@ def _whole(x_ptr, w_ptr, rows, row_ok, cols, K, stride_xm, stride_wn, splits, ch
     if NESTED:
         for c in range(0, splits):
             total += _chunk(x_ptr, w_ptr, rows, row_ok, cols, c * chunk_k, chunk_k, K, stride_xm, stride_wn, BLOCK_M,
-                            BLOCK_N, BLOCK_K, EVEN_K)
+                            BLOCK_N, BLOCK_K, EVEN_K, TMA)
         return total
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    steps = chunk_k // BLOCK_K
-    for i in range(0, splits * steps):
-        a, b = _operands(x_ptr, w_ptr, rows, row_ok, cols, i * BLOCK_K, K, stride_xm, stride_wn, BLOCK_K, EVEN_K)
+    steps, last = chunk_k // BLOCK_K, tl.cdiv(K, BLOCK_K)  # the last chunk ends at K, as `_chunk`'s
+    for i in range(0, last):
+        a, b = _operands(x_ptr, w_ptr, rows, row_ok, cols, i * BLOCK_K, K, stride_xm, stride_wn, BLOCK_K, EVEN_K,
+                         TMA)
         acc = tl.dot(a, b, acc, input_precision="ieee")
         if CHUNKED:
-            end = i % steps == steps - 1
+            end = (i % steps == steps - 1) | (i == last - 1)
             total = tl.where(end, total + acc, total)
             acc = tl.where(end, 0.0, acc)
     if not CHUNKED:  # one chunk: its sum joins the total after the loop
@@ -356,12 +372,30 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t:
         x.stride(0), weight.stride(0), out.stride(0),
         p.splits, p.chunk_k, CHUNKED=p.splits > 1,
         NESTED=not split and p.splits > 1 and p.chunk_k // t.block_k >= NESTED_STEPS,
-        SPLIT_GRID=split, HAS_BIAS=bias is not None, EVEN_K=p.splits * p.chunk_k == K, GATED=gated, GROUP_M=GROUP_M,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        SPLIT_GRID=split, HAS_BIAS=bias is not None, EVEN_K=K % t.block_k == 0, GATED=gated, GROUP_M=GROUP_M,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, TMA=t.tma and tma_ready(x, weight),
+        num_warps=t.num_warps, num_stages=t.num_stages,
         enable_fp_fusion=not gated,  # SiLU x up as weft.layers.fused's kernel computes it, unfused
         **dependent_launch(x.device),
     )
     return out
+
+
+def tma_ready(*operands: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can address each [rows, K] operand: its start and rows 16-byte aligned (the TMA's
+    rule; Triton's interpreter reads descriptors too). Install `tma_scratch` if so."""
+    ready = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.itemsize % 16 == 0 for t in operands)
+    if ready:
+        tma_scratch()
+    return ready
+
+
+@functools.cache
+def tma_scratch() -> None:
+    """Give Triton the global memory its kernels write their tensor descriptors to (128 bytes each, per program), from
+    PyTorch's allocator, on the launch's stream as any tensor. A matmul writes them after `follow`: under
+    programmatic dependent launch the kernel before it, whose freed scratch this may be, has finished by then."""
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -386,7 +420,7 @@ class DecodeLaunch:
 
     def record(self) -> dict:
         """The launch's entry in TUNED's "decode" or "gated" section."""
-        tiles = {k: v for k, v in asdict(self.tiles).items() if k not in ("block_m", "block_k")}
+        tiles = {k: v for k, v in asdict(self.tiles).items() if k not in ("block_m", "block_k", "tma")}
         return dict(tiles=tiles, block_k=self.tiles.block_k, splits=self.splits, max_rows=self.max_rows)
 
     @staticmethod
@@ -428,8 +462,9 @@ def tuned(gpu: str, dtype: torch.dtype) -> TunedLaunches:
 
 
 def invariant_launch(entry: dict) -> tuple[Tiles, bool]:
-    """A TUNED "invariant" entry: the tiles' fields and split."""
-    return Tiles(*(entry[f] for f in ("block_m", "block_n", "num_warps", "num_stages", "block_k"))), entry["split"]
+    """A TUNED "invariant" entry: the tiles' fields (`tma` where the tuner tried it) and split."""
+    fields = ("block_m", "block_n", "num_warps", "num_stages", "block_k")
+    return Tiles(*(entry[f] for f in fields), tma=entry.get("tma", False)), entry["split"]
 
 
 @functools.cache
