@@ -120,7 +120,7 @@ def test_the_plan_depends_on_n_and_k_alone_and_splits_only_where_a_tile_is_short
 
 def test_prepare_compiles_the_launches_each_row_count_makes():
     """launch_variants (what prepare compiles at start): the rule of thumb's few launches for an untuned GPU, and
-    on a tuned one the table's launch for each of INVARIANT_ROWS the rows reach."""
+    on a tuned one the table's launch for each row count it tuned that the rows reach."""
     N, K = 1024, 2048
     assert launch_variants(N, K, torch.bfloat16, 64) == {(DECODE_TILES, True)}
     assert launch_variants(N, K, torch.bfloat16, 8192) == {(DECODE_TILES, True), (DECODE_TILES, False),
@@ -129,8 +129,22 @@ def test_prepare_compiles_the_launches_each_row_count_makes():
     for gpu in json.loads(TUNED.read_text()):
         for (N, K), by_rows in tuned(gpu, torch.bfloat16).invariant.items():
             assert launch_variants(N, K, torch.bfloat16, 100, gpu) == {by_rows[r] for r in (16, 64, 128)}
-            if set(by_rows) == set(INVARIANT_ROWS):  # (the LM head's stop at max_num_seqs)
+            if max(by_rows) == INVARIANT_ROWS[-1]:  # (the LM head's stop at max_num_seqs)
                 assert launch_variants(N, K, torch.bfloat16, INVARIANT_ROWS[-1], gpu) == set(by_rows.values())
+
+
+def test_a_row_count_the_table_lacks_takes_the_next_tuned_one_above(monkeypatch):
+    """A table tuned before a row count joined INVARIANT_ROWS (or with some left out) serves those rows with the
+    launch of the least tuned count that holds them, and rows past its last with the rule of thumb."""
+    from weft.layers import linear
+
+    wide, narrow = Tiles(128, 128, 8, 4, 64, tma=True), Tiles(64, 64, 4, 3)
+    table = linear.TunedLaunches({}, {}, {(1024, 2048): {128: (narrow, True), 256: (wide, False)}})
+    monkeypatch.setattr(linear, "tuned", lambda gpu, dtype: table)
+    assert launch_for(100, 1024, 2048, torch.bfloat16, "a GPU") == (narrow, True)
+    assert launch_for(150, 1024, 2048, torch.bfloat16, "a GPU") == launch_for(256, 1024, 2048, torch.bfloat16,
+                                                                                "a GPU") == (wide, False)
+    assert launch_for(300, 1024, 2048, torch.bfloat16, "a GPU") == launch_for(300, 1024, 2048)
 
 
 # In a process of its own: the kernel compiles once per tile and loop form (the plan is an argument), so in the tests'

@@ -49,8 +49,10 @@ DECODE_ROWS = 16  # the most rows a tuned decode launch serves: one tile of mma.
 # {gpu: {dtype: {"decode" and "gated": {"NxK": DecodeLaunch}, "invariant": {"NxK": {rows: (Tiles, split)}}}}}, as
 # weft.benchmark.tune_gemm writes it
 TUNED = Path(__file__).with_name("tuned_gemms.json")
-# the row counts the invariant launches are tuned at: each one's launch serves the rows above the count before it
-INVARIANT_ROWS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# the row counts the invariant launches are tuned at: each one's launch serves the rows above the tuned count before
+# it. 192: e8's decodes shrink through 129-256 rows, where 256's tiles leave gate_up 1.4x slower than 192's own at
+# 144-192 rows (results/logs/h200_rows_exp_aa2718c.log)
+INVARIANT_ROWS = (16, 64, 128, 192, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class Linear(nn.Linear):
@@ -105,14 +107,14 @@ def tile_choices(dtype: torch.dtype) -> tuple[Tiles, Tiles]:
 def launch_for(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
                gpu: str | None = None) -> tuple[Tiles, bool]:
     """The tiles and grid for M rows of an [N, K] weight: on a `gpu` the tuner measured (TUNED's "invariant"
-    section), the fastest it found at the least of INVARIANT_ROWS that holds M. Else the large tiles past the small
+    section), the fastest it found at the least row count it tuned that holds M. Else the large tiles past the small
     ones' rows where they fill a wave; else the small ones, which rows that fit one of them (a decode's few) run one
     program per chunk where their tiles alone leave the wave short (and there are chunks). Past one tile's rows the
     chunks' float32 partials, M x N each, cost more than the programs they add
     (results/logs/h200_matmul_split_rows_5a225c1.log). Whichever is chosen, the bits are the same."""
     if gpu is not None and (by_rows := tuned(gpu, dtype).invariant.get((N, K))):
-        rows = next((r for r in INVARIANT_ROWS if M <= r), None)
-        if rows in by_rows:
+        rows = min((r for r in by_rows if M <= r), default=None)
+        if rows is not None:
             tiles, split = by_rows[rows]
             return tiles, split and plan(N, K).splits > 1
     small, large = tile_choices(dtype)
