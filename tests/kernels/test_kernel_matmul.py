@@ -45,8 +45,9 @@ pytestmark = pytest.mark.kernels
 CPU_DTYPES = [torch.float32]  # the interpreter computes bfloat16 wrongly
 GPU_DTYPES = [pytest.param(d, marks=pytest.mark.gpu) for d in (torch.float32, torch.bfloat16, torch.float16)]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative to each row's scale
-# (N, K): K past a chunk's end, chunks of several BLOCK_K steps, and one chunk; on the GPU Qwen3-0.6B's four
-SHAPES = [(96, 1000), (130, 300), (64, 2 * BLOCK_K)]
+# (N, K): K past a chunk's end, chunks of several BLOCK_K steps, one chunk, and chunks past K by a whole step (the
+# last chunk's loop ends early); on the GPU Qwen3-0.6B's four
+SHAPES = [(96, 1000), (130, 300), (64, 2 * BLOCK_K), (96, 5 * BLOCK_K)]
 GPU_SHAPES = [pytest.param(s, marks=pytest.mark.gpu) for s in ((4096, 1024), (1024, 2048), (6144, 1024),
                                                               (1024, 3072))]
 # (offset, rows) slices of the full batch: one row, a few from mid-tile, more than a tile, all of it
@@ -75,7 +76,8 @@ def test_matches_float64_and_every_row_keeps_its_bits(device, dtype, shape, bias
     tiles_tried = set(tile_choices(dtype))
     if device.type == "cuda" and dtype.itemsize == 2:  # the GPU's MMAs add a step's products in K order
         tiles_tried.add(STEP_64)
-    tiles_tried |= {replace(t, tma=True) for t in tiles_tried}  # the same numbers, read by tensor descriptors
+    if device.type == "cuda":  # the same numbers, read by tensor descriptors (where the rows are aligned)
+        tiles_tried |= {replace(t, tma=True) for t in tiles_tried}
     for offset, M in SLICES:
         for split in (False, True):
             for tiles in tiles_tried:
@@ -83,15 +85,18 @@ def test_matches_float64_and_every_row_keeps_its_bits(device, dtype, shape, bias
                 assert torch.equal(got, full[offset : offset + M]), (offset, M, split, tiles)
 
 
-def test_a_loop_per_chunk_and_row_tiles_in_groups_keep_the_bits(device, monkeypatch):
-    """A whole-K launch over chunks of NESTED_STEPS or more steps loops per chunk (here every chunk of 2, the last
-    past K's end), and more row tiles than GROUP_M run in groups (the last one short): every tile is computed once,
-    each row with the bits of one loop over every step, of a split launch and of a lone row."""
+@pytest.mark.parametrize("K", [1000, 5 * BLOCK_K], ids=["K-in-a-step", "K-a-step-short"])
+def test_a_loop_per_chunk_and_row_tiles_in_groups_keep_the_bits(device, monkeypatch, K):
+    """A whole-K launch over chunks of NESTED_STEPS or more steps loops per chunk (here every chunk of 2 or 3, the
+    last ending at K inside a step or a whole step before its chunk's end), and more row tiles than GROUP_M run in
+    groups (the last one short): every tile is computed once, each row with the bits of one loop over every step,
+    of a split launch and of a lone row."""
     from weft.layers import linear
 
-    N, K, M = 96, 1000, 9 * FLOAT32_TILES.block_m + 5
+    N, M = 96, 9 * FLOAT32_TILES.block_m + 5
     p = plan(N, K)
-    assert p.splits > 1 and p.chunk_k // BLOCK_K == 2 and p.splits * p.chunk_k > K  # the case is what it says
+    assert p.splits > 1 and p.chunk_k // BLOCK_K in (2, 3) and p.splits * p.chunk_k > K  # the case is what it says
+    assert (K % BLOCK_K == 0) == (p.splits * p.chunk_k - K >= BLOCK_K)
     assert M > GROUP_M * FLOAT32_TILES.block_m
     x, w, _ = operands(N, K, torch.float32, device, False, M=M)
     one_loop = matmul_kernel(x, w, None, split=False, tiles=FLOAT32_TILES)
@@ -102,6 +107,41 @@ def test_a_loop_per_chunk_and_row_tiles_in_groups_keep_the_bits(device, monkeypa
     assert torch.equal(full, one_loop)
     assert torch.equal(matmul_kernel(x[-3:].contiguous(), w, None, split=True, tiles=FLOAT32_TILES), full[-3:])
     assert torch.equal(matmul_kernel(x[7:8].contiguous(), w, None, split=False, tiles=FLOAT32_TILES), full[7:8])
+
+
+@pytest.mark.parametrize("shape", [(96, 1000), (96, 5 * BLOCK_K), (200, 600)])
+def test_tma_reads_give_the_product_whole_split_and_gated(device, shape, monkeypatch):
+    """Tiles that read by tensor descriptors do read so (aligned rows), and give the product within float32's
+    rounding, whole and split, and gated: SiLU x up of their own product; on the GPU, the pointer loads' bits (the
+    interpreter's sums follow numpy's layout of the operands, so there only the product is compared)."""
+    from weft.layers import linear
+
+    reads = []
+    ready = linear.tma_ready
+    monkeypatch.setattr(linear, "tma_ready", lambda *t: reads.append(ready(*t)) or reads[-1])
+    N, K = shape
+    x, w, b = operands(N, K, torch.float32, device, True, M=70)
+    want = F.linear(x.double(), w.double(), b.double())
+    scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-3)
+    tiles = replace(FLOAT32_TILES, tma=True)
+    for split in (False, True):
+        got = matmul_kernel(x, w, b, split=split, tiles=tiles)
+        assert ((got.double() - want) / scale).abs().max() <= TOL[torch.float32]
+        if device.type == "cuda":
+            assert torch.equal(got, matmul_kernel(x, w, b, split=split, tiles=FLOAT32_TILES))
+        gated = linear._launch(x, w, b, tiles, plan(N, K), split and plan(N, K).splits > 1, gated=True)
+        assert torch.equal(gated, silu_and_mul(got))
+    assert reads and all(reads)
+
+
+def test_tma_reads_only_aligned_rows():
+    """A tensor descriptor needs each operand's start and rows 16-byte aligned: else the pointer loads run."""
+    from weft.layers.linear import tma_ready
+
+    rows = torch.zeros(8 * 64 + 1, dtype=torch.bfloat16)
+    assert tma_ready(rows[: 8 * 64].view(8, 64), torch.zeros(4, 64))
+    assert not tma_ready(rows[1:].view(8, 64))  # 2 bytes off
+    assert not tma_ready(torch.zeros(8, 300, dtype=torch.bfloat16))  # rows of 600 bytes
 
 
 def test_the_plan_depends_on_n_and_k_alone_and_splits_only_where_a_tile_is_short_of_work():

@@ -197,8 +197,9 @@ def _matmul_kernel(
 ):
     # Rows past M are masked (a decode's one row loads one row: clamped, the tile's rows each loaded it again, and
     # decodes ran slower, results/logs/h200_tune_gemm_58661a0.log); columns past the output's are clamped: they read
-    # real memory, and their results are not stored. GATED: the weight is an MLP's gate, then its up, and a tile
-    # sums both halves' columns for SiLU(gate) x up.
+    # real memory, and their results are not stored (under TMA they read 0 past N, and a gate tile's past N / 2 the
+    # up half's rows: not stored either). GATED: the weight is an MLP's gate, then its up, and a tile sums both
+    # halves' columns for SiLU(gate) x up.
     if GATED:
         n_out = N // 2
     else:
@@ -385,19 +386,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t:
 
 def tma_ready(*operands: torch.Tensor) -> bool:
     """Whether a tensor descriptor can address each [rows, K] operand: its start and rows 16-byte aligned (the TMA's
-    rule; Triton's interpreter reads descriptors too). Install `tma_scratch` if so."""
+    rule; Triton's interpreter reads descriptors too). If so, `tma_scratch` is set as Triton's allocator, here: Triton
+    keeps one per thread and context. (The engine's activations are whole tensors of their own: what `prepare`
+    compiles for a weight, of the same alignment, is what its steps launch.)"""
     ready = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.itemsize % 16 == 0 for t in operands)
     if ready:
-        tma_scratch()
+        triton.set_allocator(tma_scratch)
     return ready
 
 
-@functools.cache
-def tma_scratch() -> None:
-    """Give Triton the global memory its kernels write their tensor descriptors to (128 bytes each, per program), from
-    PyTorch's allocator, on the launch's stream as any tensor. A matmul writes them after `follow`: under
-    programmatic dependent launch the kernel before it, whose freed scratch this may be, has finished by then."""
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """The global memory a launch's programs write their tensor descriptors to (128 bytes each), from PyTorch's
+    allocator on the current stream (its blocks' 512-byte alignment holds the 128 asked for). A matmul writes them
+    after `follow`: under programmatic dependent launch the kernel before it, whose freed scratch this may be, has
+    finished by then."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -422,6 +425,7 @@ class DecodeLaunch:
 
     def record(self) -> dict:
         """The launch's entry in TUNED's "decode" or "gated" section."""
+        assert not self.tiles.tma, "the decode launches read by pointers: the tuner tries no other"
         tiles = {k: v for k, v in asdict(self.tiles).items() if k not in ("block_m", "block_k", "tma")}
         return dict(tiles=tiles, block_k=self.tiles.block_k, splits=self.splits, max_rows=self.max_rows)
 
