@@ -176,9 +176,9 @@ def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict[s
                     print(f"  {N}x{K} M={M} {tiles} split={split}: NOT the same bits, left out", flush=True)
                     continue
                 timed.append((shape.invariant_s(tiles, split, M), tiles, split))
-                t = tiles
-                print(f"  {N}x{K} M={M} {t.block_m}x{t.block_n}x{t.block_k}w{t.num_warps}s{t.num_stages}"
-                      f"{' tma' if t.tma else ''} split={split}: {timed[-1][0] * 1e6:.1f} us", flush=True)
+                print(f"  {N}x{K} M={M} {tiles.block_m}x{tiles.block_n}x{tiles.block_k}w{tiles.num_warps}"
+                      f"s{tiles.num_stages}{' tma' if tiles.tma else ''} split={split}: {timed[-1][0] * 1e6:.1f} us",
+                      flush=True)
         if not timed:
             raise RuntimeError(f"{N}x{K} M={M}: no candidate fits the GPU and keeps the bits")
         seconds, tiles, split = min(timed, key=lambda t: t[0])
