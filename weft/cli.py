@@ -182,6 +182,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from weft.inference.config import EngineConfig
     from weft.serve.api_server import MAX_REQUEST_BODY_BYTES, build_app
     from weft.serve.async_engine import AsyncEngine
+    from weft.utils import freeze_heap
 
     options = {f.name: getattr(args, f.name) for f in engine_fields()}
     try:
@@ -192,6 +193,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     app = build_app(engine, args.served_model_name or str(args.model), api_key=args.api_key,
                     max_request_body_bytes=args.max_request_body_bytes or MAX_REQUEST_BODY_BYTES)
     print(f"weft: serving {args.model} at http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    freeze_heap()  # this process's (the app's, the tokenizer's, torch's), as the engine's process freezes its own
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 

@@ -3,9 +3,11 @@ token HF's; aborts free blocks at once; ids stay unique; the pool is sized once 
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -126,6 +128,19 @@ def test_cpu_pool_is_sized_once_from_a_budget_and_reported(caplog):
         assert big.llm_engine.pool.num_blocks == CPU_KV_CACHE_BYTES // (46_080 * 16)
 
 
+def test_an_engine_freezes_the_heap_it_was_built_on_until_closed():
+    """Built, the engine freezes what the process holds (a full collection then walks only what came after);
+    closed, it unfreezes it, and its model, in a reference cycle here, is freed."""
+    gc.unfreeze()
+    with LLM("tiny-llama", num_blocks=8, block_size=4, device="cpu") as llm:
+        assert gc.get_freeze_count() > 10_000  # the modules (torch's, weft's) and the model
+        model = llm.llm_engine.model
+        model.cycle = [model]
+        freed = weakref.ref(model)
+        del model
+    assert gc.get_freeze_count() == 0 and freed() is None
+
+
 def test_closed_engine_refuses_work(device):
     with LLM("tiny-llama", num_blocks=8, block_size=4, device=device) as llm:
         llm.llm_engine.add_request("left", [1, 2], greedy(3))
@@ -158,12 +173,17 @@ def test_an_exception_mid_generate_leaves_nothing_behind(tiny, monkeypatch):
 
 def test_weft_loads_weights_without_transformers_models_and_imports_lightly(tmp_path):
     """From a directory outside the checkout, as a user's script runs: `import weft` costs no torch,
-    and serving a named model builds no transformers model (weft fills its own from the weights)."""
+    and serving a named model builds no transformers model (weft fills its own from the weights). The
+    engine freezes the heap, with a grammar compiler in it (xgrammar's objects, in a cycle), and the script
+    exits without closing it: xgrammar reports no leak."""
     script = tmp_path / "script.py"
     script.write_text(
         "import sys\n"
         "import weft\n"
         "assert 'torch' not in sys.modules, 'import weft imported torch'\n"
+        "from weft.inference.structured import GrammarCompiler\n"
+        "from weft.models.loader import DEFAULT_MODEL, load_tokenizer\n"
+        "grammars = GrammarCompiler(load_tokenizer(DEFAULT_MODEL, 49152), 49152)\n"
         "llm = weft.LLM('tiny-llama', num_blocks=8, block_size=4, device='cpu')\n"
         "out = llm.generate([[1, 2, 3]], weft.SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)\n"
         "assert len(out[0].outputs[0].token_ids) == 3\n"
@@ -176,7 +196,7 @@ def test_weft_loads_weights_without_transformers_models_and_imports_lightly(tmp_
     done = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0 and "leaked" not in done.stderr, done.stderr
     location, modeling = done.stdout.split()
     assert location.endswith("weft/__init__.py") and modeling == "False"
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from weft.benchmark.workloads import Request, uniform
+from weft.utils import freeze_heap
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")  # --goodput keys, in ms
@@ -137,6 +138,7 @@ async def run(
 
         if num_warmups:
             await asyncio.gather(*(bounded(requests[i % len(requests)]) for i in range(num_warmups)))
+        freeze_heap()  # a full collection of the client's heap would stall every stream it reads
         tasks = []
         start = time.perf_counter()
         for gap, request in zip(arrival_gaps(len(requests), request_rate, burstiness, seed), requests, strict=True):

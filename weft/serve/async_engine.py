@@ -17,7 +17,6 @@ flight gets EngineDead and the server reports itself unhealthy.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import multiprocessing
 import threading
@@ -251,10 +250,6 @@ def engine_main(config: EngineConfig, commands, outputs) -> None:
     except BaseException as e:  # noqa: BLE001 (whatever it is, the server must say it and exit)
         outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
-    # the process's objects so far (the model's modules, the tokenizer: some 400,000) live as long as it does: frozen,
-    # the collector no longer walks them, which took tens of microseconds from each request's output every step
-    gc.collect()
-    gc.freeze()
     outputs.send(EngineReady(engine.model_name, engine.config.max_model_len, engine.pool.num_blocks))
     started: set[str] = set()  # requests whose prompt ids went out with their first piece
     try:
@@ -287,8 +282,6 @@ def engine_main(config: EngineConfig, commands, outputs) -> None:
     except BaseException as e:  # noqa: BLE001 (a step raised: the engine's state is no longer trusted)
         logger.exception("the engine process is stopping: a step raised")
         outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
-    finally:
-        gc.unfreeze()  # the interpreter's exit frees them (frozen, extensions report them as leaked)
 
 
 def _add(engine, command: AddRequest) -> None:
