@@ -50,8 +50,10 @@ def _is_bool(value: object) -> bool:
 def freeze_heap() -> None:
     """Collect, then freeze what the process holds now (gc.freeze), so that a full collection walks only what
     comes after: the modules alone are some 350,000 objects, and a walk of them took 150-250 ms, stalling whatever
-    ran (results/logs/h100_gc_freeze_c2500dd.log). At exit the interpreter frees only what is not frozen, and
-    nanobind's extensions (Triton, xgrammar) report the rest as leaked: the first call has it unfrozen then."""
+    ran (results/logs/h100_gc_freeze_c2500dd.log). Frozen objects are still freed when their last reference goes,
+    but those in reference cycles only once unfrozen (gc.unfreeze). The interpreter's last collection at exit
+    skips frozen ones, and Triton (a nanobind extension) reports what it left as leaked: the first call has the
+    heap unfrozen at exit."""
     _unfreeze_at_exit()
     gc.collect()
     gc.freeze()

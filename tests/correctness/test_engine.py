@@ -174,16 +174,12 @@ def test_an_exception_mid_generate_leaves_nothing_behind(tiny, monkeypatch):
 def test_weft_loads_weights_without_transformers_models_and_imports_lightly(tmp_path):
     """From a directory outside the checkout, as a user's script runs: `import weft` costs no torch,
     and serving a named model builds no transformers model (weft fills its own from the weights). The
-    engine freezes the heap, with a grammar compiler in it (xgrammar's objects, in a cycle), and the script
-    exits without closing it: xgrammar reports no leak."""
+    engine freezes the heap and the script exits without closing it: Triton (nanobind) reports no leak."""
     script = tmp_path / "script.py"
     script.write_text(
         "import sys\n"
         "import weft\n"
         "assert 'torch' not in sys.modules, 'import weft imported torch'\n"
-        "from weft.inference.structured import GrammarCompiler\n"
-        "from weft.models.loader import DEFAULT_MODEL, load_tokenizer\n"
-        "grammars = GrammarCompiler(load_tokenizer(DEFAULT_MODEL, 49152), 49152)\n"
         "llm = weft.LLM('tiny-llama', num_blocks=8, block_size=4, device='cpu')\n"
         "out = llm.generate([[1, 2, 3]], weft.SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)\n"
         "assert len(out[0].outputs[0].token_ids) == 3\n"
@@ -196,7 +192,7 @@ def test_weft_loads_weights_without_transformers_models_and_imports_lightly(tmp_
     done = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
-    assert done.returncode == 0 and "leaked" not in done.stderr, done.stderr
+    assert done.returncode == 0 and "nanobind: leaked" not in done.stderr, done.stderr
     location, modeling = done.stdout.split()
     assert location.endswith("weft/__init__.py") and modeling == "False"
 

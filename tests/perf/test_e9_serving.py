@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import math
 
 import pytest
@@ -46,7 +45,6 @@ def serve(url: str, model: str, workload: workloads.Workload, rate: float, sizes
                              prompt_format=prompt_format))
     assert result["failed"] == 0, result["errors"]
     assert result["total_output_tokens"] == workload.output_tokens
-    assert gc.get_freeze_count() > 0  # the client froze its heap: no full collection walked it while timed
     return result
 
 

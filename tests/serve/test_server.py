@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import pickle
@@ -19,6 +20,8 @@ import pytest
 
 from tests.serve.servers import in_process_server, weft_server
 from weft import LLM, SamplingParams
+from weft.benchmark import serving
+from weft.benchmark.workloads import Request
 from weft.conformance import PROMPTS
 from weft.errors import ParamValueError
 from weft.inference.config import EngineConfig
@@ -162,6 +165,25 @@ def test_the_stream_ends_with_done(server):
         events = [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
     assert [json.loads(e[6:])["object"] for e in events[:-1]] == ["text_completion"] * 3
+
+
+def test_the_bench_client_freezes_its_heap_while_timed_and_no_longer(server):
+    """weft.benchmark.serving.run serves its requests with this process's heap frozen (a full collection then walks
+    only what the run made, not pytest's, torch's and the models' objects) and unfreezes it once done."""
+    frozen_at = []  # the frozen objects at each collection the run's allocations set off
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            frozen_at.append(gc.get_freeze_count())
+
+    gc.unfreeze()
+    gc.callbacks.append(seen)
+    try:
+        result = asyncio.run(serving.run(server, NAME, [Request((1, 2, 3), 8)] * 16, prompt_format="token_ids"))
+    finally:
+        gc.callbacks.remove(seen)
+    assert result["failed"] == 0 and result["total_output_tokens"] == 16 * 8
+    assert max(frozen_at) > 10_000 and gc.get_freeze_count() == 0, frozen_at
 
 
 def metric(server: str, name: str) -> float:

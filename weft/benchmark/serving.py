@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import random
@@ -138,15 +139,19 @@ async def run(
 
         if num_warmups:
             await asyncio.gather(*(bounded(requests[i % len(requests)]) for i in range(num_warmups)))
-        freeze_heap()  # a full collection of the client's heap would stall every stream it reads
-        tasks = []
-        start = time.perf_counter()
-        for gap, request in zip(arrival_gaps(len(requests), request_rate, burstiness, seed), requests, strict=True):
-            if gap:
-                await asyncio.sleep(gap)
-            tasks.append(asyncio.ensure_future(bounded(request)))
-        records = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        freeze_heap()  # while timed, a full collection walks only what the run made, not the caller's whole heap
+        try:
+            tasks = []
+            start = time.perf_counter()
+            for gap, request in zip(arrival_gaps(len(requests), request_rate, burstiness, seed), requests,
+                                    strict=True):
+                if gap:
+                    await asyncio.sleep(gap)
+                tasks.append(asyncio.ensure_future(bounded(request)))
+            records = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - start
+        finally:
+            gc.unfreeze()
     return summarize(records, duration, request_rate, burstiness, max_concurrency, goodput or {})
 
 

@@ -68,9 +68,9 @@ class LLMEngine:
         self.grammars: GrammarCompiler | None = None  # built at the first request with structured outputs
         self.in_flight: deque[Launched] = deque()  # steps queued on the device, not landed yet (oldest first)
         self.stats = EngineStats()
-        # what the process holds now (its modules, the model's, the tokenizer) lives as long as the engine: a full
-        # collection in a step stalled it 200-250 ms, and in the server the walks took tens of microseconds of each
-        # request's output a step (ff6b54b). vLLM's engine core freezes its startup heap too.
+        # what the process holds now (its modules, the model, the tokenizer) mostly lives as long as the engine: frozen,
+        # a full collection no longer walks it, where one inside a run stalled it 200-250 ms, and in the server the
+        # walks took tens of microseconds of each request's output a step (ff6b54b). vLLM's engine core does the same.
         freeze_heap()
 
     @property
@@ -342,11 +342,13 @@ class LLMEngine:
         """Free the model, the pool and the CUDA graphs; the engine refuses work from here on."""
         if self.runner is None:
             return
+        # the engine's objects may be freed now, cycles too (the process's others, another engine's among them, are
+        # walked again until something freezes them)
+        gc.unfreeze()
         self.abort_request(list(self.requests))
         self.ranks.stop(self.runner)
         self.in_flight.clear()
         self.runner = None
-        gc.unfreeze()  # the engine's objects may be freed now (and the process's other ones walked again)
         gc.collect()
         if self.config.device.type == "cuda":
             torch.cuda.empty_cache()
