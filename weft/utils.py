@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import gc
 import numbers
 import operator
+from collections.abc import Iterator
 
 from weft.errors import ParamTypeError, ParamValueError
 
@@ -57,6 +59,16 @@ def freeze_heap() -> None:
     _unfreeze_at_exit()
     gc.collect()
     gc.freeze()
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """`freeze_heap` for a block (a timed run), unfrozen after it: what it froze may be freed again."""
+    freeze_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @functools.cache

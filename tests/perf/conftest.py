@@ -32,7 +32,7 @@ from weft.benchmark.saving import save_so_far
 from weft.benchmark.workloads import Workload
 from weft.inference.config import DTYPES
 from weft.models.loader import DEFAULT_MODEL, reference_model, resolve_model
-from weft.utils import freeze_heap
+from weft.utils import frozen_heap
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -380,8 +380,8 @@ def run_benchmark(benchmark, request: pytest.FixtureRequest, device: torch.devic
 
         try:
             driver.serve(warmup(config, workload))
-            freeze_heap()  # weft's engine froze the heap it was built on; a peer's timed run gets the same
-            served, ops = benchmark.pedantic(timed, args=(driver,), rounds=1, iterations=1, warmup_rounds=0)
+            with frozen_heap():  # weft's engine froze the heap it was built on; a peer's timed run gets the same
+                served, ops = benchmark.pedantic(timed, args=(driver,), rounds=1, iterations=1, warmup_rounds=0)
             if ops is not None:
                 extra = {**extra, "profiled": True, "top_ops": ops}
             info = record(experiment, config, driver, served, workload, model, dtype, device, other_bytes,

@@ -243,9 +243,7 @@ def warmup(config: BenchConfig, workload: Workload) -> Workload:
 
 
 def release(device: torch.device) -> None:
-    """Give the finished driver's memory back before the next configuration allocates its own (what the timed run
-    froze among it too)."""
-    gc.unfreeze()
+    """Give the finished driver's memory back before the next configuration allocates its own."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

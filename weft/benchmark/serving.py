@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import math
 import random
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from weft.benchmark.workloads import Request, uniform
-from weft.utils import freeze_heap
+from weft.utils import frozen_heap
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")  # --goodput keys, in ms
@@ -139,8 +138,7 @@ async def run(
 
         if num_warmups:
             await asyncio.gather(*(bounded(requests[i % len(requests)]) for i in range(num_warmups)))
-        freeze_heap()  # while timed, a full collection walks only what the run made, not the caller's whole heap
-        try:
+        with frozen_heap():  # while timed, a full collection walks only what the run made, not the caller's heap
             tasks = []
             start = time.perf_counter()
             for gap, request in zip(arrival_gaps(len(requests), request_rate, burstiness, seed), requests,
@@ -150,8 +148,6 @@ async def run(
                 tasks.append(asyncio.ensure_future(bounded(request)))
             records = await asyncio.gather(*tasks)
             duration = time.perf_counter() - start
-        finally:
-            gc.unfreeze()
     return summarize(records, duration, request_rate, burstiness, max_concurrency, goodput or {})
 
 
