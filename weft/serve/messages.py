@@ -113,3 +113,8 @@ class StepMessage:
     refusals: list[Refusal]
     snapshot: EngineSnapshot  # after the step
     admitted: int  # AddRequests taken from the pipe since the last message (refused ones included)
+
+    def then(self, later: StepMessage) -> StepMessage:
+        """This message and the next as one: the pieces and refusals of both in order, the later snapshot."""
+        return StepMessage(self.pieces + later.pieces, self.refusals + later.refusals, later.snapshot,
+                           self.admitted + later.admitted)
