@@ -694,3 +694,16 @@ def test_the_receiver_queues_each_command_and_reads_the_pipes_end_as_shutdown():
     receive_all(reader, inbox)
     received = [inbox.get() for _ in range(inbox.qsize())]
     assert received[:2] == commands and isinstance(received[2], Shutdown) and len(received) == 3
+
+
+def test_a_message_that_cannot_be_sent_tells_the_server_and_stops_the_sender():
+    """A step message the pipe cannot carry (here a piece that does not pickle) is the engine's failure: the server
+    hears why, and the sender stops (then so does the step loop, which runs while the sender does)."""
+    outbox = queue.SimpleQueue()
+    snapshot = EngineSnapshot(0, 0, 0, 64, EngineStats())
+    outbox.put(StepMessage([("r1", [lambda: None], False, None, None)], [], snapshot, 0))
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    send_all(outbox, writer)  # returns: no STOP was queued
+    failed = reader.recv()
+    assert isinstance(failed, EngineFailed) and "pickle" in failed.reason.lower(), failed
+    assert not reader.poll()

@@ -5,7 +5,9 @@ for /tokenize and /detokenize, and no more): every call into the engine
 (checking and queueing a request, aborting one, stepping) runs there, between steps, and the
 event loop never waits on the GPU nor shares an interpreter lock with the engine's host work.
 Commands go down one pipe and each step's pieces come back up another, as the typed messages of
-weft.serve.messages; a reader thread hands each message to the loop in one `call_soon_threadsafe`.
+weft.serve.messages; a reader thread hands each message to the loop in one `call_soon_threadsafe`. In the engine
+process a thread of its own serves each end (as vLLM's engine core has input and output threads): the steps never
+wait on a pipe, nor the server's sends on a step.
 A stream's text is decoded here, from its pieces' token ids, unless it has stop strings (the engine finds
 those in its text): the engine process then spends none of a step's host time on it, as in vLLM, whose
 engine core sends token ids and whose API server's process detokenizes.
@@ -17,6 +19,7 @@ flight gets EngineDead and the server reports itself unhealthy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import queue
@@ -258,7 +261,7 @@ def engine_main(config: EngineConfig, commands, outputs) -> None:
     sender = threading.Thread(target=send_all, args=(outbox, outputs), name="weft-engine-sender", daemon=True)
     sender.start()
     try:
-        step_loop(engine, inbox, outbox)
+        step_loop(engine, inbox, outbox, sender)
     except BaseException as e:  # noqa: BLE001 (a step raised: the engine's state is no longer trusted)
         logger.exception("the engine process is stopping: a step raised")
         outbox.put(EngineFailed(f"{type(e).__name__}: {e}"))
@@ -294,15 +297,21 @@ def send_all(outbox: queue.SimpleQueue, outputs) -> None:
             message, after = message.then(after), None
         try:
             outputs.send(message)
-        except OSError:  # the server is gone; the command pipe's end stops the step loop
+        except OSError:  # the server is gone
+            return
+        except Exception as e:  # noqa: BLE001 (a message that cannot be sent: the server must hear why)
+            logger.exception("the engine process is stopping: a message could not be sent")
+            with contextlib.suppress(OSError):
+                outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
             return
         message = after if after is not None else outbox.get()
 
 
-def step_loop(engine, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue) -> None:
-    """Run the commands in `inbox` and steps until told to stop, each step's message into `outbox`."""
+def step_loop(engine, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue, sender: threading.Thread) -> None:
+    """Run the commands in `inbox` and steps until told to stop, or until the `sender` of each step's message (put
+    into `outbox`) has stopped: the server is gone, or has been told why no message can reach it."""
     started: set[str] = set()  # requests whose prompt ids went out with their first piece
-    while True:
+    while sender.is_alive():
         commands = [] if engine.has_unfinished_requests() else [inbox.get()]  # idle: wait for a command
         while not inbox.empty():
             commands.append(inbox.get())
