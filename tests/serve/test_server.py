@@ -14,6 +14,7 @@ import multiprocessing
 import pickle
 import queue
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,10 +29,11 @@ from weft.benchmark.workloads import Request
 from weft.conformance import PROMPTS
 from weft.errors import ParamValueError
 from weft.inference.config import EngineConfig
+from weft.inference.engine import LLMEngine
 from weft.inference.outputs import EngineSnapshot, EngineStats, RequestOutput
 from weft.inference.params import RequestOutputKind
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
-from weft.serve.async_engine import STOP, AsyncEngine, engine_main, receive_all, send_all
+from weft.serve.async_engine import STOP, AsyncEngine, engine_main, receive_all, send_all, step_loop
 from weft.serve.messages import AbortRequest, AddRequest, EngineFailed, EngineReady, Refusal, Shutdown, StepMessage
 
 pytestmark = pytest.mark.serve
@@ -619,67 +621,99 @@ def test_a_refusal_crosses_the_pipe_with_its_param():
     assert isinstance(typed, TypeError) and typed.param is None
 
 
+def running(target, *args) -> threading.Thread:
+    """`target(*args)` on a daemon thread, started."""
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_the_engine_steps_on_while_the_server_reads_late(device):
-    """The engine process never waits on its output pipe: while nobody reads it, the steps go on and their messages
-    wait in the engine process, joined into one as they queue (a request's tokens of several steps in one
-    message). What arrives is every token, as offline, in order."""
+    """The step loop never waits on the output pipe: with nobody reading it, every request runs to its end, the
+    steps' messages waiting in the engine process, joined into one as they queue (a request's tokens of several
+    steps in one message). What arrives is every token, as offline, in order."""
     config = EngineConfig("tiny-llama", num_blocks=128, block_size=4, max_num_seqs=8, device=device)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=20,
-                            output_kind=RequestOutputKind.DELTA)  # logprobs: a step's message of several KB
+                            output_kind=RequestOutputKind.DELTA)  # logprobs: several hundred KB in all, the pipe 64
     prompts = [[i + 1, i + 2, i + 3] for i in range(8)]
-    spawn = multiprocessing.get_context("spawn")
-    commands_out, commands_in = spawn.Pipe(duplex=False)
-    outputs_out, outputs_in = spawn.Pipe(duplex=False)
-    process = spawn.Process(target=engine_main, args=(config, commands_out, outputs_in), daemon=True)
-    process.start()
+    inbox, outbox = queue.SimpleQueue(), queue.SimpleQueue()
+    for i, prompt in enumerate(prompts):
+        inbox.put(AddRequest(f"r{i}", prompt, params, "prompt"))
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    engine = LLMEngine(config)
     try:
-        assert isinstance(outputs_out.recv(), EngineReady)
-        for i, prompt in enumerate(prompts):
-            commands_in.send(AddRequest(f"r{i}", prompt, params, "prompt"))
-        time.sleep(3)  # nobody reads: a few steps fill the pipe, and the engine steps on
+        sender = running(send_all, outbox, writer, inbox)
+        loop = running(step_loop, engine, inbox, outbox)
+        deadline, total = time.monotonic() + 120, len(prompts) * params.max_tokens
+        while engine.snapshot().stats.generation_tokens < total and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.snapshot().stats.generation_tokens == total, "the steps stopped: they waited on the pipe"
         tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
         joined, done = False, set()
         while len(done) < len(prompts):
-            message = outputs_out.recv()
+            assert reader.poll(60), "a message is missing"
+            message = reader.recv()
             ids = [piece[0] for piece in message.pieces]
             joined |= len(ids) > len(set(ids))
             for request_id, completions, finished, _, _ in message.pieces:
                 tokens[request_id] += completions[0][2]
                 if finished:
                     done.add(request_id)
-        commands_in.send(Shutdown())
-        process.join(30)
-        assert process.exitcode == 0
+        inbox.put(Shutdown())
+        outbox.put(STOP)
+        loop.join(30)
+        sender.join(30)
+        assert not loop.is_alive() and not sender.is_alive()
     finally:
-        if process.is_alive():
-            process.kill()
-    assert joined, "every message held one step: the engine waited on the pipe"
+        engine.close()
+    assert joined, "every message held one step"
     with LLM("tiny-llama", num_blocks=128, block_size=4, max_num_seqs=8, device=device) as llm:
         expected = llm.generate(prompts, dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE),
                                 use_tqdm=False)
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == [out.outputs[0].token_ids for out in expected]
 
 
+def received(reader) -> list:
+    """Every message on the pipe, to its end."""
+    out = []
+    with contextlib.suppress(EOFError):
+        while True:
+            out.append(reader.recv())
+    return out
+
+
 def test_the_sender_joins_step_messages_in_order_and_nothing_else():
     """Step messages waiting together go as one (pieces and refusals in order, the last snapshot, the admissions
-    summed); any other message (the engine's last words) goes alone, in its place; STOP ends the thread."""
+    summed); any other message (the engine's last words) goes alone, in its place; STOP ends the thread, which
+    then tells the step loop to stop."""
     snapshots = [EngineSnapshot(i, 0, 0, 64, EngineStats()) for i in range(3)]
     refusal = Refusal.of("r9", ValueError("no"))
     a = StepMessage([("r1", [], False, None, None)], [], snapshots[0], 2)
     b = StepMessage([("r1", [], False, None, None), ("r2", [], True, None, None)], [refusal], snapshots[1], 1)
     c = StepMessage([("r3", [], False, None, None)], [], snapshots[2], 0)
     failed = EngineFailed("RuntimeError: a step raised")
-    outbox = queue.SimpleQueue()
+    outbox, inbox = queue.SimpleQueue(), queue.SimpleQueue()
     for message in (a, b, failed, c, STOP):
         outbox.put(message)
     reader, writer = multiprocessing.Pipe(duplex=False)
-    send_all(outbox, writer)
+    running(send_all, outbox, writer, inbox).join(30)
     writer.close()
-    received = []
-    with contextlib.suppress(EOFError):  # the pipe's end, once all is read
-        while True:
-            received.append(reader.recv())
-    assert received == [StepMessage(a.pieces + b.pieces, [refusal], snapshots[1], 3), failed, c]
+    assert received(reader) == [StepMessage(a.pieces + b.pieces, [refusal], snapshots[1], 3), failed, c]
+    assert inbox.get(timeout=30) == Shutdown()
+
+
+def test_a_message_that_cannot_be_sent_tells_the_server_and_stops_the_engine():
+    """A step message the pipe cannot carry (here a piece that does not pickle) is the engine's failure: the server
+    hears why, the sender stops, and it tells the step loop to stop."""
+    outbox, inbox = queue.SimpleQueue(), queue.SimpleQueue()
+    snapshot = EngineSnapshot(0, 0, 0, 64, EngineStats())
+    outbox.put(StepMessage([("r1", [lambda: None], False, None, None)], [], snapshot, 0))
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    running(send_all, outbox, writer, inbox).join(30)
+    writer.close()
+    (failed,) = received(reader)
+    assert isinstance(failed, EngineFailed) and "pickle" in failed.reason.lower(), failed
+    assert inbox.get(timeout=30) == Shutdown()
 
 
 def test_the_receiver_queues_each_command_and_reads_the_pipes_end_as_shutdown():
@@ -691,19 +725,35 @@ def test_the_receiver_queues_each_command_and_reads_the_pipes_end_as_shutdown():
         writer.send(command)
     writer.close()
     inbox = queue.SimpleQueue()
-    receive_all(reader, inbox)
-    received = [inbox.get() for _ in range(inbox.qsize())]
-    assert received[:2] == commands and isinstance(received[2], Shutdown) and len(received) == 3
+    running(receive_all, reader, inbox).join(30)
+    assert [inbox.get(timeout=30) for _ in range(3)] == [*commands, Shutdown()] and inbox.empty()
 
 
-def test_a_message_that_cannot_be_sent_tells_the_server_and_stops_the_sender():
-    """A step message the pipe cannot carry (here a piece that does not pickle) is the engine's failure: the server
-    hears why, and the sender stops (then so does the step loop, which runs while the sender does)."""
-    outbox = queue.SimpleQueue()
-    snapshot = EngineSnapshot(0, 0, 0, 64, EngineStats())
-    outbox.put(StepMessage([("r1", [lambda: None], False, None, None)], [], snapshot, 0))
-    reader, writer = multiprocessing.Pipe(duplex=False)
-    send_all(outbox, writer)  # returns: no STOP was queued
-    failed = reader.recv()
-    assert isinstance(failed, EngineFailed) and "pickle" in failed.reason.lower(), failed
-    assert not reader.poll()
+def test_a_command_that_cannot_be_read_fails_the_engine_and_the_server_hears_why(device):
+    """The engine process, whose receiver meets bytes that are no command: the step loop raises its error, and the
+    server gets the step messages before it, then EngineFailed naming it; the process ends."""
+    config = EngineConfig("tiny-llama", num_blocks=64, block_size=4, max_num_seqs=1, device=device)
+    spawn = multiprocessing.get_context("spawn")
+    commands_out, commands_in = spawn.Pipe(duplex=False)
+    outputs_out, outputs_in = spawn.Pipe(duplex=False)
+    process = spawn.Process(target=engine_main, args=(config, commands_out, outputs_in), daemon=True)
+    process.start()
+    commands_out.close()
+    outputs_in.close()
+    try:
+        assert outputs_out.poll(120) and isinstance(outputs_out.recv(), EngineReady)
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        commands_in.send(AddRequest("r1", [1, 2, 3], params, "prompt"))
+        messages = []
+        while not any(piece[2] for m in messages for piece in m.pieces):  # r1 done
+            assert outputs_out.poll(60), "a message is missing"
+            messages.append(outputs_out.recv())
+        commands_in.send_bytes(b"no command")
+        assert outputs_out.poll(60)
+        last = outputs_out.recv()
+        assert isinstance(last, EngineFailed) and "UnpicklingError" in last.reason, last
+        process.join(30)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()

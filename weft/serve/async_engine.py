@@ -258,10 +258,10 @@ def engine_main(config: EngineConfig, commands, outputs) -> None:
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=receive_all, args=(commands, inbox), name="weft-engine-receiver", daemon=True).start()
-    sender = threading.Thread(target=send_all, args=(outbox, outputs), name="weft-engine-sender", daemon=True)
+    sender = threading.Thread(target=send_all, args=(outbox, outputs, inbox), name="weft-engine-sender", daemon=True)
     sender.start()
     try:
-        step_loop(engine, inbox, outbox, sender)
+        step_loop(engine, inbox, outbox)
     except BaseException as e:  # noqa: BLE001 (a step raised: the engine's state is no longer trusted)
         logger.exception("the engine process is stopping: a step raised")
         outbox.put(EngineFailed(f"{type(e).__name__}: {e}"))
@@ -272,51 +272,61 @@ def engine_main(config: EngineConfig, commands, outputs) -> None:
 def receive_all(commands, inbox: queue.SimpleQueue) -> None:
     """The engine process's receiver thread (vLLM's engine core has an input thread): each command from the pipe into
     `inbox` as it comes, so that the server's sends never wait on a step (a burst's prompts outgrow the pipe's
-    buffer), until Shutdown; the pipe's end (the server is gone) reads as Shutdown."""
+    buffer), until Shutdown. The pipe's end (the server is gone) reads as Shutdown; a command that cannot be read
+    goes into `inbox` as its error, for the step loop to raise."""
     while True:
         try:
             command = commands.recv()
-        except (EOFError, OSError):
+        except EOFError:
             command = Shutdown()
+        except BaseException as e:  # noqa: BLE001 (the server must hear of it, as of a step that raised)
+            inbox.put(e)
+            return
         inbox.put(command)
         if isinstance(command, Shutdown):
             return
 
 
-def send_all(outbox: queue.SimpleQueue, outputs) -> None:
+def send_all(outbox: queue.SimpleQueue, outputs, inbox: queue.SimpleQueue) -> None:
     """The engine process's sender thread (as vLLM's engine core has an output thread): each message from `outbox`
     down the pipe in order, until STOP. A step never waits on the pipe while the server reads more slowly than the
-    engine steps; the step messages that queue meanwhile go as one (StepMessage.then)."""
-    message = outbox.get()
-    while message is not STOP:
-        after = None  # a message taken from the queue that does not join this one
-        while isinstance(message, StepMessage) and not outbox.empty():
-            after = outbox.get()
-            if not isinstance(after, StepMessage):
-                break
-            message, after = message.then(after), None
-        try:
-            outputs.send(message)
-        except OSError:  # the server is gone
-            return
-        except Exception as e:  # noqa: BLE001 (a message that cannot be sent: the server must hear why)
-            logger.exception("the engine process is stopping: a message could not be sent")
-            with contextlib.suppress(OSError):
-                outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
-            return
-        message = after if after is not None else outbox.get()
+    engine steps; the step messages that queue meanwhile go as one (StepMessage.joined). Once it stops (STOP, the
+    server gone, or a message that cannot be sent, whose error the server is told) it puts Shutdown in `inbox`: with
+    no sender the step loop has nothing left to do."""
+    try:
+        message = outbox.get()
+        while message is not STOP:
+            waiting, after = [message], None  # after: a message taken from the queue that does not join them
+            while isinstance(message, StepMessage) and not outbox.empty():
+                after = outbox.get()
+                if not isinstance(after, StepMessage):
+                    break
+                waiting.append(after)
+                after = None
+            outputs.send(StepMessage.joined(waiting) if len(waiting) > 1 else message)
+            message = after if after is not None else outbox.get()
+    except OSError:  # the server is gone
+        pass
+    except Exception as e:  # noqa: BLE001 (a message that cannot be sent: the server must hear why)
+        logger.exception("the engine process is stopping: a message could not be sent")
+        with contextlib.suppress(OSError):
+            outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
+    finally:
+        inbox.put(Shutdown())
 
 
-def step_loop(engine, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue, sender: threading.Thread) -> None:
-    """Run the commands in `inbox` and steps until told to stop, or until the `sender` of each step's message (put
-    into `outbox`) has stopped: the server is gone, or has been told why no message can reach it."""
+def step_loop(engine, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue) -> None:
+    """Run the commands in `inbox` (raising an error the receiver put there) and steps until Shutdown, each step's
+    message into `outbox`."""
     started: set[str] = set()  # requests whose prompt ids went out with their first piece
-    while sender.is_alive():
+    while True:
         commands = [] if engine.has_unfinished_requests() else [inbox.get()]  # idle: wait for a command
         while not inbox.empty():
             commands.append(inbox.get())
         refusals, admitted = [], 0
         for command in commands:
+            if isinstance(command, BaseException):
+                raise command
             if isinstance(command, Shutdown):
                 return
             if isinstance(command, AbortRequest):

@@ -2,9 +2,9 @@
 
 Down (server -> engine process): `AddRequest`, `AbortRequest`, `Shutdown`. Up: `EngineReady` once the
 engine is built (or `EngineFailed` and nothing more), then after every round of commands and a step one
-`StepMessage` (each request's new `Piece`, packed as a tuple, the requests refused, the engine's snapshot), and
-`EngineFailed` if a step raised. A request's prompt ids travel once, with its first piece; its timings with its
-last.
+`StepMessage` (each request's new `Piece`, packed as a tuple, the requests refused, the engine's snapshot; those of
+several steps in one where they queued while the server read late), and `EngineFailed` if a step raised. A
+request's prompt ids travel once, with its first piece; its timings with its last.
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ Piece = tuple[str, list[tuple], bool, Opening | None, RequestMetrics | None]
 
 
 def pack(out: RequestOutput, first: bool) -> Piece:
-    """`out` as its piece; `first`: the request's first, which carries its prompt."""
+    """`out` as its piece; `first`: the request's first, which carries its prompt. The piece is pickled later, on
+    the engine process's sender thread, while the engine steps on: it holds nothing the engine changes after the
+    step (each step's outputs are lists of their own)."""
     completions = [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in out.outputs]
     opening = (out.prompt, out.prompt_token_ids, out.prompt_logprobs, out.num_cached_tokens) if first else None
     return out.request_id, completions, out.finished, opening, out.metrics if out.finished else None
@@ -112,9 +114,10 @@ class StepMessage:
     pieces: list[Piece]
     refusals: list[Refusal]
     snapshot: EngineSnapshot  # after the step
-    admitted: int  # AddRequests taken from the pipe since the last message (refused ones included)
+    admitted: int  # AddRequests the engine took since the last message (refused ones included)
 
-    def then(self, later: StepMessage) -> StepMessage:
-        """This message and the next as one: the pieces and refusals of both in order, the later snapshot."""
-        return StepMessage(self.pieces + later.pieces, self.refusals + later.refusals, later.snapshot,
-                           self.admitted + later.admitted)
+    @staticmethod
+    def joined(messages: list[StepMessage]) -> StepMessage:
+        """Successive messages as one: their pieces and refusals in order, the last snapshot, the admissions summed."""
+        return StepMessage([p for m in messages for p in m.pieces], [r for m in messages for r in m.refusals],
+                           messages[-1].snapshot, sum(m.admitted for m in messages))
