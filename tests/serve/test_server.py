@@ -279,6 +279,11 @@ BAD = [
      "logprobs"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
+    # a refusal names the field the request sent: the chat API's top_logprobs, response_format's schema
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                          "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format"),
     ("completions", {"model": NAME, "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("completions", {"model": NAME}, 400, "prompt"),
     ("completions", {"model": NAME, "prompt": []}, 400, "prompt"),

@@ -31,7 +31,8 @@ KEY = "s3cret-key"
 LIMIT = 65536  # --max-request-body-bytes
 BOS = 1  # "t1": the tokenizer's own special token
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
-            "t2 {{ m['content'] }} t3 {% endfor %}{% if add_generation_prompt %}t4{% endif %}")
+            "t2 {{ m['content'] }} {% if m['name'] is defined %}t9 {{ m['name'] }} {% endif %}t3 {% endfor %}"
+            "{% if add_generation_prompt %}t4{% endif %}")
 CHAT = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7"}, {"role": "user", "content": "t8"}]
 
 
@@ -189,6 +190,8 @@ TOKENIZE_BAD = [
     ("tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
     ("tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("tokenize", {"messages": CHAT, "chat_template": "{{ 'x' }}"}, "chat_template"),
+    ("tokenize", {"messages": CHAT, "documents": [{"text": "t5"}]}, "documents"),
+    ("tokenize", {"messages": CHAT, "mm_processor_kwargs": {"size": 3}}, "mm_processor_kwargs"),
 ]
 
 
@@ -273,3 +276,44 @@ def test_a_conversation_the_template_refuses_gets_400_and_the_engine_lives_on(se
         assert error["param"] == "messages" and "no system turns" in error["message"], path
     assert httpx.get(f"{root(server)}/health").status_code == 200
     assert post(server, "v1/chat/completions", {"messages": CHAT, "max_tokens": 2}).status_code == 200
+
+
+def test_a_messages_other_keys_reach_the_template(server, tokenizer):
+    """As vLLM passes them: a turn's `name` (and any key the template reads) is the template's to use."""
+    named = [{"role": "user", "content": "t5", "name": "t8"}]
+    text = tokenizer.apply_chat_template(named, add_generation_prompt=True, tokenize=False)
+    tokens = post(server, "tokenize", {"messages": named}).json()["tokens"]
+    assert tokens == tokenizer.encode(text, add_special_tokens=False) and 8 in tokens and 9 in tokens
+    chat = post(server, "v1/chat/completions", {"messages": named, "max_tokens": 1, "return_token_ids": True}).json()
+    assert chat["choices"][0]["prompt_token_ids"] == tokens
+
+
+# ---- vLLM's server limits and names ---------------------------------------------------------------------------
+
+
+def test_n_and_max_tokens_beyond_what_can_run_get_400_naming_them(server):
+    """The module's server: max_model_len 128. A prompt of token ids gets no BOS: [5, 6] leaves 126. n: OpenAI's
+    bound, 128."""
+    for path, body, param in [
+        ("v1/completions", {"prompt": [5, 6], "max_tokens": 2, "n": 129}, "n"),
+        ("v1/completions", {"prompt": [5, 6], "max_tokens": 127}, "max_tokens"),
+        ("v1/completions", {"prompt": [5] * 120}, "max_tokens"),  # OpenAI's default of 16 over the 8 left
+        ("v1/chat/completions", {"messages": CHAT, "max_tokens": 500}, "max_tokens"),
+        ("v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 500}, "max_completion_tokens"),
+        ("v1/completions", {"prompt": [5, 6], "max_completion_tokens": 2}, "max_completion_tokens"),
+        ("v1/completions", {"prompt": [5, 6], "cache_salt": "tenant-a"}, "cache_salt"),
+        ("v1/completions", {"prompt": [5, 6], "request_id": 7}, "request_id"),
+    ]:
+        assert error_of(post(server, path, body), 400)["param"] == param, body
+    message = error_of(post(server, "v1/completions", {"prompt": [5, 6], "max_tokens": 127}), 400)["message"]
+    assert "maximum context length is 128 tokens and your request has 2 input tokens" in message
+    whole = post(server, "v1/completions", {"prompt": [5, 6], "max_tokens": 126, "ignore_eos": True, "n": 3})
+    assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 3 * 126  # n over max_num_seqs
+
+
+def test_chat_reads_max_completion_tokens_over_max_tokens_and_a_request_id_names_the_response(server):
+    body = {"messages": CHAT, "max_tokens": 1, "max_completion_tokens": 3, "ignore_eos": True, "request_id": "r-7"}
+    chat = post(server, "v1/chat/completions", body).json()
+    assert chat["usage"]["completion_tokens"] == 3 and chat["id"] == "chatcmpl-r-7"
+    completion = post(server, "v1/completions", {"prompt": [5], "max_tokens": 2, "request_id": "r-8"}).json()
+    assert completion["id"] == "cmpl-r-8"

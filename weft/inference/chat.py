@@ -36,7 +36,7 @@ def chat_prompt(tokenizer: Any | None, messages: object, model_name: str, *, add
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:  # which roles it takes is the template's to say (vLLM's rule)
             raise ParamValueError(f"messages[{i}]['role'] must be a non-empty string, got {role!r}", MESSAGES)
-        turns.append({"role": role, "content": _text(content, i)})
+        turns.append({**m, "role": role, "content": _text(content, i)})  # its other keys (name, ...): the template's
     try:
         text = tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=False)
     except TemplateError as e:  # its raise_exception (roles out of turn, ...): the request's fault, not the engine's

@@ -42,13 +42,14 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weft.inference.chat import MESSAGES, chat_prompt
-from weft.inference.inputs import PROMPT, prompt_list
+from weft.inference.inputs import prompt_list
 from weft.inference.outputs import CompletionOutput, Logprob, RequestOutput
 from weft.inference.params import SamplingParams
 from weft.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from weft.serve.messages import Conversation
 from weft.serve.metrics import ServerMetrics
 from weft.serve.protocol import (
+    MAX_N,
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -92,11 +93,12 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def refusal(e: ValueError | TypeError, prompt_field: str = PROMPT) -> APIError:
-    """The engine's ValueError / TypeError for a request, as a 400 naming the field its check names (the
-    prompt's field is `prompt_field`: a chat request's prompt is its messages)."""
+def refusal(e: ValueError | TypeError, names: dict[str, str] | None = None) -> APIError:
+    """The engine's ValueError / TypeError for a request, as a 400 naming the field its check names, by the request's
+    own name for it where that differs (`names`, GenerationRequest.field_names: a chat request's prompt is its
+    messages)."""
     param = getattr(e, "param", None)
-    return APIError(400, str(e), param=prompt_field if param == PROMPT else param)
+    return APIError(400, str(e), param=(names or {}).get(param, param))
 
 
 def guarded(path: str) -> bool:
@@ -298,8 +300,10 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
         try:
             params = request.sampling_params()
         except (ValueError, TypeError) as e:
-            raise refusal(e) from None
-        rid = uuid.uuid4().hex
+            raise refusal(e, request.field_names()) from None
+        if params.n > MAX_N:
+            raise APIError(400, f"n is {params.n}; a request may ask for at most {MAX_N} completions", param="n")
+        rid = request.request_id or uuid.uuid4().hex
         zipped = enumerate(zip(prompts, labels, strict=True))
         return rid, [aengine.generate(f"{rid}-{i}", p, params, label) for i, (p, label) in zipped]
 
@@ -316,7 +320,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
                            param="echo")
         labels = ["prompt"] if len(prompts) == 1 else [f"prompt {i}" for i in range(len(prompts))]
         rid, streams = start(request, prompts, labels)
-        firsts = await first_outputs(raw, streams)
+        firsts = await first_outputs(raw, streams, request.field_names())
         tokenizer = aengine.tokenizer
         if request.stream:
             return sse(completion_chunks(f"cmpl-{rid}", request, streams, firsts, metrics, tokenizer))
@@ -333,7 +337,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         rid, streams = start(request, [Conversation(request.messages)], [MESSAGES])
-        (first,) = await first_outputs(raw, streams, prompt_field=MESSAGES)
+        (first,) = await first_outputs(raw, streams, request.field_names())
         if request.stream:
             return sse(chat_chunks(f"chatcmpl-{rid}", request, streams[0], first, metrics))
         usage = Usage()
@@ -354,7 +358,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
 
 
 async def first_outputs(
-    raw: Request, streams: list[AsyncIterator[RequestOutput]], prompt_field: str = PROMPT
+    raw: Request, streams: list[AsyncIterator[RequestOutput]], names: dict[str, str]
 ) -> list[RequestOutput]:
     """Each stream's first output (a streaming request's first delta; else its one, final output). A refusal (or
     a full queue, a dead engine) closes them all and raises its HTTP error at once; so does a client that hangs
@@ -370,7 +374,7 @@ async def first_outputs(
             waiting.discard(gone)
             problem = next((t.exception() for t in firsts if t in done and t.exception() is not None), None)
             if problem is not None:
-                raise http_error(problem, prompt_field)
+                raise http_error(problem, names)
         return [t.result() for t in firsts]
     except BaseException:
         for t in firsts:
@@ -382,10 +386,10 @@ async def first_outputs(
         gone.cancel()
 
 
-def http_error(problem: BaseException, prompt_field: str) -> BaseException:
-    """What a stream's first output raised, as the HTTP error it answers."""
+def http_error(problem: BaseException, names: dict[str, str]) -> BaseException:
+    """What a stream's first output raised, as the HTTP error it answers (`names`: as `refusal`'s)."""
     if isinstance(problem, ValueError | TypeError):
-        return refusal(problem, prompt_field)
+        return refusal(problem, names)
     if isinstance(problem, QueueFull):
         return APIError(429, str(problem), "rate_limit_exceeded")
     if isinstance(problem, EngineDead):

@@ -247,10 +247,10 @@ def joined(first: RequestOutput, later: RequestOutput) -> RequestOutput:
 
 def engine_main(config: EngineConfig, commands, outputs) -> None:
     """The engine process: build the engine, then run commands and steps until told to stop."""
-    from weft.inference.engine import LLMEngine
+    from weft.serve.served_engine import ServedEngine
 
     try:
-        engine = LLMEngine(config)
+        engine = ServedEngine(config)
     except BaseException as e:  # noqa: BLE001 (whatever it is, the server must say it and exit)
         outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return

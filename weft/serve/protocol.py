@@ -16,6 +16,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from weft.errors import ParamTypeError, ParamValueError
+from weft.inference.chat import MESSAGES
+from weft.inference.inputs import PROMPT
 from weft.inference.params import RequestOutputKind, SamplingParams
 from weft.inference.structured import StructuredOutputsParams
 
@@ -33,8 +35,11 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logits_processors": (None, []), "return_tokens_as_token_ids": (None, False), "prompt_embeds": (None,),
     "priority": (None, 0), "vllm_xargs": (None, {}), "kv_transfer_params": (None,),
     "truncation_side": (None, "left"),  # truncate_prompt_tokens keeps a prompt's last tokens
+    "cache_salt": (None,),  # the prefix cache is shared by every request
 }  # fmt: skip
-COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "suffix": (None, ""), "add_special_tokens": (None, True)}
+COMPLETION_UNSUPPORTED = {  # max_completion_tokens is the chat API's name
+    **UNSUPPORTED, "suffix": (None, ""), "add_special_tokens": (None, True), "max_completion_tokens": (None,),
+}  # fmt: skip
 CHAT_UNSUPPORTED = {  # the conversation is rendered by the model's own template, with the generation prompt
     **UNSUPPORTED, "echo": (None, False), "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "add_special_tokens": (None, False), "chat_template": (None,),
@@ -42,6 +47,7 @@ CHAT_UNSUPPORTED = {  # the conversation is rendered by the model's own template
     "documents": (None, []), "mm_processor_kwargs": (None, {}), "reasoning_effort": (None,),
 }  # fmt: skip
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bounds; vLLM clamps to them too
+MAX_N = 128  # OpenAI's bound on a request's completions (each a sequence the engine queues: memory a client chooses)
 
 
 def without_nulls(body: Any) -> Any:
@@ -92,6 +98,7 @@ class GenerationRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     return_token_ids: StrictBool = False  # each choice carries its token ids (and the prompt's)
+    request_id: StrictStr | None = None  # vLLM's: the response's id (else a random one); one in flight at a time
 
     @model_validator(mode="before")
     @classmethod
@@ -110,7 +117,7 @@ class GenerationRequest(BaseModel):
         from SamplingParams' own checks for a bad value."""
         return SamplingParams(
             n=self.n,
-            max_tokens=self.max_tokens if self.max_tokens is not None else self.default_max_tokens(),
+            max_tokens=self.requested_max_tokens(),
             min_tokens=self.min_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -134,8 +141,12 @@ class GenerationRequest(BaseModel):
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
-    def default_max_tokens(self) -> int | None:
-        return None
+    def requested_max_tokens(self) -> Any:
+        return self.max_tokens
+
+    def field_names(self) -> dict[str, str]:
+        """The request's own name for each SamplingParams field a refusal may name, where they differ."""
+        return {"structured_outputs": "response_format"} if self.response_format is not None else {}
 
     def num_logprobs(self) -> int | None:
         """The alternatives each token's logprobs list, or None for no logprobs."""
@@ -198,8 +209,8 @@ class CompletionRequest(GenerationRequest):
     logprobs: Any = None  # the legacy API's: how many alternatives each token's logprobs list
     echo: StrictBool = False  # each choice begins with its prompt (and, with logprobs, the prompt's logprobs)
 
-    def default_max_tokens(self) -> int | None:
-        return 16  # OpenAI's default for completions
+    def requested_max_tokens(self) -> Any:
+        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -215,15 +226,22 @@ class ChatCompletionRequest(GenerationRequest):
     refused: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_UNSUPPORTED
     messages: Any  # [{"role", "content"}, ...], checked by weft.inference.chat
     max_completion_tokens: Any = None  # OpenAI's newer name for max_tokens
-    logprobs: Any = False  # the chat API's: whether to return logprobs at all
+    logprobs: StrictBool = False  # the chat API's: whether to return logprobs at all
     top_logprobs: Any = None  # and then how many alternatives each token lists
 
-    def default_max_tokens(self) -> int | None:
-        return self.max_completion_tokens  # None: until the context is full, as OpenAI's chat does
+    def requested_max_tokens(self) -> Any:
+        """max_completion_tokens (OpenAI's newer name) over max_tokens, as vLLM reads them; neither: until the context
+        is full, as OpenAI's chat does."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def field_names(self) -> dict[str, str]:
+        """As the base's; and a chat request's prompt is its messages, its alternatives per token top_logprobs."""
+        names = {**super().field_names(), PROMPT: MESSAGES, "logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     def num_logprobs(self) -> int | None:
-        if not isinstance(self.logprobs, bool):
-            raise ParamTypeError(f"logprobs must be a bool in a chat request, got {self.logprobs!r}", "logprobs")
         if not self.logprobs:
             if self.top_logprobs not in (None, 0):
                 raise ParamValueError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -376,6 +394,8 @@ class TokenizeChatRequest(BaseModel):
     chat_template: None = None
     chat_template_kwargs: None = None
     tools: None = None
+    documents: None = None
+    mm_processor_kwargs: None = None
 
 
 class TokenizeResponse(BaseModel):
