@@ -401,6 +401,41 @@ def test_stop_strings_penalties_and_biases_are_the_engines(server, client, offli
 
 
 @needs_smollm2
+def test_vllms_sampling_fields_over_http_are_the_engines(server, client, offline):
+    """prompt_logprobs, truncate_prompt_tokens, bad_words, allowed_token_ids, min_tokens and
+    include_stop_str_in_output, each sent over HTTP (the openai client's extra_body, as vLLM documents it): the
+    offline engine's answer to the same SamplingParams."""
+    prompt = "Once upon a time, in a land far away,"
+    free_out = offline.generate(prompt, greedy(12), use_tqdm=False)[0]
+    free, free_prompt = free_out.outputs[0], free_out.prompt_token_ids
+    stop = free.text.split()[1]
+    cases = [
+        dict(prompt_logprobs=2), dict(truncate_prompt_tokens=4), dict(bad_words=[free.text.split()[0]]),
+        dict(allowed_token_ids=sorted(set(free.token_ids[3:]))), dict(min_tokens=8, stop_token_ids=[free.token_ids[2]]),
+        dict(stop=[stop], include_stop_str_in_output=True),
+    ]
+    for extra in cases:
+        want = offline.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, **extra), use_tqdm=False)[0]
+        got = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
+        c = got.choices[0]
+        assert (c.text, c.finish_reason) == (want.outputs[0].text, want.outputs[0].finish_reason), extra
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids), extra
+        if "prompt_logprobs" not in extra:  # the field changed the answer: a server that ignored it would fail
+            assert (c.text, got.usage.prompt_tokens) != (free.text, len(free_prompt)), extra
+        else:
+            sent = c.model_extra["prompt_logprobs"]
+            assert sent[0] is None and len(sent) == len(want.prompt_token_ids)
+            for entry, expected in zip(sent[1:], want.prompt_logprobs[1:], strict=True):
+                assert {int(t): v["logprob"] for t, v in entry.items()} == pytest.approx(
+                    {t: lp.logprob for t, lp in expected.items()}, abs=1e-5)
+    assert cases[-1]["stop"][0] in c.text and c.text.endswith(stop)  # the stop string kept, nothing after it
+    chat = client.chat.completions.create(model=NAME, max_tokens=3, stream=True, messages=[
+        {"role": "user", "content": "Hi"}], stream_options={"include_usage": True, "continuous_usage_stats": True})
+    usages = [chunk.usage.completion_tokens for chunk in chat if chunk.choices and chunk.usage]
+    assert usages[-1] == 3 and usages == sorted(usages)  # chat's chunks carry the usage so far too
+
+
+@needs_smollm2
 def test_echo_usage_details_and_continuous_usage(server, client):
     prompt = "A long shared prefix, " * 3 + "then a question?"
     first = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)

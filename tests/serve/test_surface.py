@@ -278,7 +278,7 @@ def test_a_conversation_the_template_refuses_gets_400_and_the_engine_lives_on(se
     assert post(server, "v1/chat/completions", {"messages": CHAT, "max_tokens": 2}).status_code == 200
 
 
-def test_a_messages_other_keys_reach_the_template(server, tokenizer):
+def test_a_messages_role_and_other_keys_are_the_templates_to_take(server, tokenizer):
     """As vLLM passes them: a turn's `name` (and any key the template reads) is the template's to use."""
     named = [{"role": "user", "content": "t5", "name": "t8"}]
     text = tokenizer.apply_chat_template(named, add_generation_prompt=True, tokenize=False)
@@ -286,6 +286,8 @@ def test_a_messages_other_keys_reach_the_template(server, tokenizer):
     assert tokens == tokenizer.encode(text, add_special_tokens=False) and 8 in tokens and 9 in tokens
     chat = post(server, "v1/chat/completions", {"messages": named, "max_tokens": 1, "return_token_ids": True}).json()
     assert chat["choices"][0]["prompt_token_ids"] == tokens
+    other = post(server, "v1/chat/completions", {"messages": [{"role": "developer", "content": "t5"}], "max_tokens": 1})
+    assert other.status_code == 200  # a role OpenAI's API knows and this template takes
 
 
 # ---- vLLM's server limits and names ---------------------------------------------------------------------------
