@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import pickle
 import queue
+import re
 import socket
 import threading
 import time
@@ -469,6 +470,17 @@ def test_structured_outputs_parse_on_both_endpoints(client):
     choice = client.completions.create(model=NAME, prompt="Is the sky blue?", max_tokens=5, temperature=0,
                                        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert choice.choices[0].text in ("yes", "no")
+    greeting = 'root ::= ("Hello" | "Hi") ", " [A-Z] [a-z]+ "!"'
+    grammar = client.completions.create(model=NAME, prompt="Greet someone:", max_tokens=12, temperature=0,
+                                        extra_body={"structured_outputs": {"grammar": greeting}})
+    assert re.fullmatch(r"(Hello|Hi), [A-Z][a-z]+!", grammar.choices[0].text)
+    code = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Pick a number."}],
+                                          max_tokens=8, temperature=0, extra_body={"structured_outputs": {
+                                              "regex": "[0-9]{3}"}})
+    assert re.fullmatch("[0-9]{3}", code.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError, match="invalid grammar"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       extra_body={"structured_outputs": {"grammar": 'root ::= "a" rest'}})
 
 
 # ---- a server whose app runs here: a full queue, a dead engine, a model without a chat template ----------
