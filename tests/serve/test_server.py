@@ -429,11 +429,11 @@ def test_vllms_sampling_fields_over_http_are_the_engines(server, client, offline
             for entry, expected in zip(sent[1:], want.prompt_logprobs[1:], strict=True):
                 assert {int(t): v["logprob"] for t, v in entry.items()} == pytest.approx(
                     {t: lp.logprob for t, lp in expected.items()}, abs=1e-5)
-    assert cases[-1]["stop"][0] in c.text and c.text.endswith(stop)  # the stop string kept, nothing after it
+    assert c.text.endswith(stop)  # the last case's: the stop string kept, nothing after it
     chat = client.chat.completions.create(model=NAME, max_tokens=3, stream=True, messages=[
         {"role": "user", "content": "Hi"}], stream_options={"include_usage": True, "continuous_usage_stats": True})
     usages = [chunk.usage.completion_tokens for chunk in chat if chunk.choices and chunk.usage]
-    assert usages[-1] == 3 and usages == sorted(usages)  # chat's chunks carry the usage so far too
+    assert len(usages) > 1 and usages[-1] == 3 and usages == sorted(usages)  # chat's chunks carry the usage so far
 
 
 @needs_smollm2
@@ -470,10 +470,10 @@ def test_structured_outputs_parse_on_both_endpoints(client):
     choice = client.completions.create(model=NAME, prompt="Is the sky blue?", max_tokens=5, temperature=0,
                                        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert choice.choices[0].text in ("yes", "no")
-    greeting = 'root ::= ("Hello" | "Hi") ", " [A-Z] [a-z]+ "!"'
+    greeting = 'root ::= ("Hello" | "Hi") ", " ("Alice" | "Bob") "!"'  # bounded: it ends within max_tokens
     grammar = client.completions.create(model=NAME, prompt="Greet someone:", max_tokens=12, temperature=0,
                                         extra_body={"structured_outputs": {"grammar": greeting}})
-    assert re.fullmatch(r"(Hello|Hi), [A-Z][a-z]+!", grammar.choices[0].text)
+    assert re.fullmatch(r"(Hello|Hi), (Alice|Bob)!", grammar.choices[0].text)
     code = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Pick a number."}],
                                           max_tokens=8, temperature=0, extra_body={"structured_outputs": {
                                               "regex": "[0-9]{3}"}})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -278,6 +279,13 @@ def test_a_conversation_the_template_refuses_gets_400_and_the_engine_lives_on(se
     assert post(server, "v1/chat/completions", {"messages": CHAT, "max_tokens": 2}).status_code == 200
 
 
+def test_tokenize_takes_the_template_options_weft_does_not_implement_at_their_off_values(server):
+    off = {"continue_final_message": False, "chat_template_kwargs": {}, "tools": [], "documents": [],
+           "mm_processor_kwargs": {}}
+    assert post(server, "tokenize", {"messages": CHAT, **off}).json()["tokens"] == post(
+        server, "tokenize", {"messages": CHAT}).json()["tokens"]
+
+
 def test_a_messages_role_and_other_keys_are_the_templates_to_take(server, tokenizer):
     """As vLLM passes them: a turn's `name` (and any key the template reads) is the template's to use."""
     named = [{"role": "user", "content": "t5", "name": "t8"}]
@@ -311,6 +319,14 @@ def test_n_and_max_tokens_beyond_what_can_run_get_400_naming_them(server):
     assert "maximum context length is 128 tokens and your request has 2 input tokens" in message
     whole = post(server, "v1/completions", {"prompt": [5, 6], "max_tokens": 126, "ignore_eos": True, "n": 3})
     assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 3 * 126  # n over max_num_seqs
+    most = post(server, "v1/completions", {"prompt": [5, 6], "max_tokens": 1, "n": 128})
+    assert most.status_code == 200 and len(most.json()["choices"]) == 128
+    truncated = post(server, "v1/completions", {"prompt": [5] * 120, "truncate_prompt_tokens": 10, "max_tokens": 100})
+    assert truncated.status_code == 200 and truncated.json()["usage"]["prompt_tokens"] == 10  # room after truncating
+    streamed = post(server, "v1/completions", {"prompt": [5, 6], "max_tokens": 127, "stream": True})
+    assert error_of(streamed, 400)["param"] == "max_tokens"  # before the stream starts
+    chat = error_of(post(server, "v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}), 400)
+    assert chat["param"] == "max_completion_tokens" and chat["message"].startswith("max_completion_tokens ")
 
 
 def test_chat_reads_max_completion_tokens_over_max_tokens_and_a_request_id_names_the_response(server):
@@ -319,3 +335,14 @@ def test_chat_reads_max_completion_tokens_over_max_tokens_and_a_request_id_names
     assert chat["usage"]["completion_tokens"] == 3 and chat["id"] == "chatcmpl-r-7"
     completion = post(server, "v1/completions", {"prompt": [5], "max_tokens": 2, "request_id": "r-8"}).json()
     assert completion["id"] == "cmpl-r-8"
+
+
+def test_two_requests_in_flight_may_share_a_request_id(server):
+    """The id names the response only: two clients that send the same one are each served their own tokens."""
+    bodies = [{"prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True, "temperature": 0, "request_id": "same"},
+              {"prompt": [8, 9], "max_tokens": 3, "ignore_eos": True, "temperature": 0, "request_id": "same"}]
+    alone = [post(server, "v1/completions", {**b, "request_id": None}).json()["choices"][0]["text"] for b in bodies]
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda b: post(server, "v1/completions", b), bodies))
+    assert [r.status_code for r in both] == [200, 200]
+    assert [r.json()["choices"][0]["text"] for r in both] == alone and {r.json()["id"] for r in both} == {"cmpl-same"}

@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import hmac
 import importlib.metadata
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -70,6 +71,7 @@ from weft.serve.protocol import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    Refusing,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -98,7 +100,17 @@ def refusal(e: ValueError | TypeError, names: dict[str, str] | None = None) -> A
     own name for it where that differs (`names`, GenerationRequest.field_names: a chat request's prompt is its
     messages)."""
     param = getattr(e, "param", None)
-    return APIError(400, str(e), param=(names or {}).get(param, param))
+    name, message = (names or {}).get(param, param), str(e)
+    if name != param and name not in message:  # the engine's words, in the request's names
+        message = re.sub(rf"\b{param}\b", name, message)
+    return APIError(400, message, param=name)
+
+
+def refuse_unsupported(request: Refusing) -> None:
+    """A 400 naming the request's first field that weft does not do (set to other than its "off" values)."""
+    bad = request.unsupported()
+    if bad is not None:
+        raise APIError(400, f"{bad} is not supported by weft", param=bad)
 
 
 def guarded(path: str) -> bool:
@@ -263,6 +275,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
             raise RequestValidationError(e.errors()) from None
         check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
+            refuse_unsupported(request)
             try:
                 tokens = await tokenizing(partial(chat_prompt, messages=request.messages, model_name=served_model_name,
                                                   add_generation_prompt=request.add_generation_prompt,
@@ -294,18 +307,17 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
         request.model = check_model(request.model)  # the responses name it
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
-        bad = request.unsupported()
-        if bad is not None:
-            raise APIError(400, f"{bad} is not supported by weft", param=bad)
+        refuse_unsupported(request)
         try:
             params = request.sampling_params()
         except (ValueError, TypeError) as e:
             raise refusal(e, request.field_names()) from None
         if params.n > MAX_N:
             raise APIError(400, f"n is {params.n}; a request may ask for at most {MAX_N} completions", param="n")
-        rid = request.request_id or uuid.uuid4().hex
+        engine_id = uuid.uuid4().hex  # the engine's ids are the server's own: a client may reuse its request_id
         zipped = enumerate(zip(prompts, labels, strict=True))
-        return rid, [aengine.generate(f"{rid}-{i}", p, params, label) for i, (p, label) in zipped]
+        streams = [aengine.generate(f"{engine_id}-{i}", p, params, label) for i, (p, label) in zipped]
+        return request.request_id or engine_id, streams
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:

@@ -47,7 +47,9 @@ CHAT_UNSUPPORTED = {  # the conversation is rendered by the model's own template
     "documents": (None, []), "mm_processor_kwargs": (None, {}), "reasoning_effort": (None,),
 }  # fmt: skip
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bounds; vLLM clamps to them too
-MAX_N = 128  # OpenAI's bound on a request's completions (each a sequence the engine queues: memory a client chooses)
+# OpenAI's bound on a prompt's completions (each a sequence the engine queues: memory a client chooses); a list of
+# prompts multiplies it, as in vLLM, and --max-request-body-bytes bounds the list
+MAX_N = 128
 
 
 def without_nulls(body: Any) -> Any:
@@ -67,10 +69,20 @@ class StreamOptions(BaseModel):
         return without_nulls(body)
 
 
-class GenerationRequest(BaseModel):
-    """What completions and chat completions share."""
+class Refusing(BaseModel):
+    """A body whose unimplemented OpenAI or vLLM fields (`refused`: each one's values that mean "off") are refused."""
 
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI's own server does
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
+
+    def unsupported(self) -> str | None:
+        """The first OpenAI or vLLM field set to something weft does not do, if any."""
+        values = {**(self.model_extra or {})}
+        return next((k for k, off in self.refused.items() if k in values and values[k] not in off), None)
+
+
+class GenerationRequest(Refusing):
+    """What completions and chat completions share."""
 
     model: str | None = None  # None: the one model this server serves (vLLM's)
     n: Any = 1
@@ -105,13 +117,6 @@ class GenerationRequest(BaseModel):
     def _nulls_are_defaults(cls, body: Any) -> Any:
         return without_nulls(body)
 
-    refused: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
-
-    def unsupported(self) -> str | None:
-        """The first OpenAI or vLLM field set to something weft does not do, if any."""
-        values = {**(self.model_extra or {})}
-        return next((k for k, off in self.refused.items() if k in values and values[k] not in off), None)
-
     def sampling_params(self) -> SamplingParams:
         """The request's SamplingParams: deltas for a stream, else the final output alone; ValueError / TypeError
         from SamplingParams' own checks for a bad value."""
@@ -142,6 +147,7 @@ class GenerationRequest(BaseModel):
         )
 
     def requested_max_tokens(self) -> Any:
+        """The max_tokens the request asks for (None: until the context is full), unchecked."""
         return self.max_tokens
 
     def field_names(self) -> dict[str, str]:
@@ -379,23 +385,19 @@ class TokenizeCompletionRequest(BaseModel):
     return_token_strs: StrictBool | None = False
 
 
-class TokenizeChatRequest(BaseModel):
-    """vLLM's /tokenize body for a conversation, through the model's chat template."""
+class TokenizeChatRequest(Refusing):
+    """vLLM's /tokenize body for a conversation, through the model's chat template; the template options weft does
+    not implement are refused as chat completions refuses them (ignoring one would answer other tokens)."""
 
-    model_config = ConfigDict(extra="allow")
-
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = {
+        name: CHAT_UNSUPPORTED[name] for name in ("continue_final_message", "chat_template", "chat_template_kwargs",
+                                                  "tools", "documents", "mm_processor_kwargs")
+    }
     model: str | None = None
     messages: Any  # checked by weft.inference.chat
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False  # the tokenizer's own, on top of what the template writes
     return_token_strs: StrictBool | None = False
-    # vLLM's options weft does not implement: refused unless off, since ignoring one would answer other tokens
-    continue_final_message: Literal[False] = False
-    chat_template: None = None
-    chat_template_kwargs: None = None
-    tools: None = None
-    documents: None = None
-    mm_processor_kwargs: None = None
 
 
 class TokenizeResponse(BaseModel):

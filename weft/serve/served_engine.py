@@ -10,21 +10,18 @@ from __future__ import annotations
 
 from weft.errors import ParamValueError
 from weft.inference.engine import LLMEngine
-from weft.inference.sequence import Sequence
+from weft.inference.params import SamplingParams
 
 
 class ServedEngine(LLMEngine):
-    """LLMEngine that also refuses (ParamValueError, before anything is queued) a max_tokens larger than the context
-    the prompt leaves, as vLLM's server does."""
+    """LLMEngine that refuses (ParamValueError naming max_tokens, before anything is queued) a max_tokens larger than
+    the context the prompt leaves, as vLLM's server does."""
 
-    def _sequences(self, request_id, prompt, params, label, now) -> list[Sequence]:
-        group = super()._sequences(request_id, prompt, params, label, now)
-        first = group[0]
-        max_tokens, prompt_tokens, context = first.params.max_tokens, first.num_prompt_tokens, self.config.max_model_len
-        if max_tokens is not None and max_tokens > context - prompt_tokens:
+    def _check_room(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        max_tokens, context = params.max_tokens, self.config.max_model_len
+        if max_tokens is not None and max_tokens > context - num_prompt_tokens:
             raise ParamValueError(  # vLLM's words
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
-                f"length is {context} tokens and your request has {prompt_tokens} input tokens ({max_tokens} > "
-                f"{context} - {prompt_tokens})", "max_tokens",
+                f"length is {context} tokens and your request has {num_prompt_tokens} input tokens ({max_tokens} > "
+                f"{context} - {num_prompt_tokens})", "max_tokens",
             )
-        return group
