@@ -325,6 +325,8 @@ def test_n_and_max_tokens_beyond_what_can_run_get_400_naming_them(server):
     assert truncated.status_code == 200 and truncated.json()["usage"]["prompt_tokens"] == 10  # room after truncating
     streamed = post(server, "v1/completions", {"prompt": [5, 6], "max_tokens": 127, "stream": True})
     assert error_of(streamed, 400)["param"] == "max_tokens"  # before the stream starts
+    listed = error_of(post(server, "v1/completions", {"prompt": [[5, 6], [5] * 120]}), 400)
+    assert listed["param"] == "max_tokens" and listed["message"].startswith("prompt 1: ")  # which prompt has no room
     chat = error_of(post(server, "v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}), 400)
     assert chat["param"] == "max_completion_tokens" and chat["message"].startswith("max_completion_tokens ")
 

@@ -138,7 +138,7 @@ class LLMEngine:
                 f"{label} has {len(ids)} tokens, more than max_num_batched_tokens={cfg.max_num_batched_tokens} "
                 "(with enable_chunked_prefill=False a prompt is prefilled in one step)", PROMPT,
             )
-        self._check_room(len(ids), params)
+        self._check_room(len(ids), params, label)
         max_tokens = params.max_tokens or cfg.max_model_len
         max_len = min(len(ids) + max_tokens, cfg.max_model_len)
         need = self.blocks.blocks_for(max_len - 1)
@@ -171,7 +171,7 @@ class LLMEngine:
             group.append(seq)
         return group
 
-    def _check_room(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def _check_room(self, num_prompt_tokens: int, params: SamplingParams, label: str) -> None:
         """What to do with a max_tokens larger than the context the prompt leaves: nothing, here (the request stops at
         the context, as vLLM's offline engine's do); weft serve's engine refuses it (weft.serve.served_engine)."""
 

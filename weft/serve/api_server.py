@@ -102,7 +102,7 @@ def refusal(e: ValueError | TypeError, names: dict[str, str] | None = None) -> A
     param = getattr(e, "param", None)
     name, message = (names or {}).get(param, param), str(e)
     if name != param and name not in message:  # the engine's words, in the request's names
-        message = re.sub(rf"\b{param}\b", name, message)
+        message = re.sub(rf"\b{re.escape(param)}\b", name, message)
     return APIError(400, message, param=name)
 
 

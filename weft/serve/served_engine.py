@@ -17,11 +17,11 @@ class ServedEngine(LLMEngine):
     """LLMEngine that refuses (ParamValueError naming max_tokens, before anything is queued) a max_tokens larger than
     the context the prompt leaves, as vLLM's server does."""
 
-    def _check_room(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def _check_room(self, num_prompt_tokens: int, params: SamplingParams, label: str) -> None:
         max_tokens, context = params.max_tokens, self.config.max_model_len
         if max_tokens is not None and max_tokens > context - num_prompt_tokens:
             raise ParamValueError(  # vLLM's words
-                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
-                f"length is {context} tokens and your request has {num_prompt_tokens} input tokens ({max_tokens} > "
-                f"{context} - {num_prompt_tokens})", "max_tokens",
+                f"{label}: 'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                f"context length is {context} tokens and your request has {num_prompt_tokens} input tokens "
+                f"({max_tokens} > {context} - {num_prompt_tokens})", "max_tokens",
             )
