@@ -90,3 +90,28 @@ def test_the_layer_kernels_match_hf(reference, device, monkeypatch):
     prefilled in chunks and then decoded: the same tokens as HF (tiny-qwen3: its q/k norms too)."""
     monkeypatch.setattr(fused, "on_kernels", lambda x: True)
     check("tiny-qwen3", Case("paged", "continuous", budget=CHUNK), reference, device)
+
+
+def test_the_decode_launches_match_hf(reference, device, monkeypatch):
+    """Decodes through the tuned decode launches (a fixed one stands in for the table, which holds GPUs' entries
+    only): the MLP's gated, the other layers' plain, and q/k/v's with RoPE and the K/V store in its epilogue (Qwen2:
+    with q/k/v's biases). The same tokens as HF, and the RoPE launch ran."""
+    from weft.layers import linear, mlp, rotary
+
+    launch = linear.DecodeLaunch(linear.Tiles(linear.DECODE_ROWS, 16, 4, 3, 64), 2, linear.DECODE_ROWS)
+
+    def lookup(M, weight, gated=False):
+        return launch if M <= launch.max_rows else None
+
+    ran = []
+
+    def decode_rope(*args, **kwargs):
+        ran.append(args[0].shape[0])
+        return linear.decode_rope(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "on_kernels", lambda x: True)
+    monkeypatch.setattr(linear, "decode_launch", lookup)
+    monkeypatch.setattr(mlp, "decode_launch", lookup)
+    monkeypatch.setattr(rotary, "decode_rope", decode_rope)
+    check("tiny-qwen2", Case("paged", "continuous", budget=CHUNK), reference, device, prompts=2, max_tokens=6)
+    assert ran

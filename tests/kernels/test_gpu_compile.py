@@ -18,15 +18,16 @@ pytestmark = pytest.mark.kernels
 POINTERS = {"ids_ptr": "*i64", "pairs_ptr": "*i64", "block_expert_ptr": "*i64", "counters_ptr": "*i32",
             "counts_ptr": "*i32", "table_ptr": "*i32", "context_lens_ptr": "*i32", "arrivals_ptr": "*i32",
             "shared_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32",
-            "shared_o_ptr": "*fp32", "shared_lse_ptr": "*fp32", "partials_ptr": "*fp32"}  # every other pointer: bf16
-SCALARS = {"scale_log2": "fp32"}  # every other scalar: i32
+            "shared_o_ptr": "*fp32", "shared_lse_ptr": "*fp32", "partials_ptr": "*fp32",
+            "slots_ptr": "*i64"}  # every other pointer: bf16
+SCALARS = {"scale_log2": "fp32", "eps": "fp32"}  # every other scalar: i32
 
 
 def kernels() -> list[tuple[object, dict[str, object]]]:
     """(kernel, its constexprs, its warps and stages) as weft.layers.moe launches them for the Qwen3-30B-A3B shape (E
     2048, 128 experts, top 8), the attention kernels counted, for Qwen3-0.6B's heads (16 and 8 of 128), and the
     linear layers' matmul: whole K in a loop per chunk with the widest tile in steps of 64 (its operands read by
-    pointers and by tensor descriptors), and split."""
+    pointers and by tensor descriptors), split, and split with RoPE after it (heads of 128)."""
     from weft.attention.kernels import decode, prefill
     from weft.layers import linear, moe
 
@@ -48,6 +49,8 @@ def kernels() -> list[tuple[object, dict[str, object]]]:
         (linear._matmul_kernel, dict(matmul, NESTED=False, SPLIT_GRID=True, BLOCK_M=small.block_m,
                                      BLOCK_N=small.block_n, BLOCK_K=small.block_k, TMA=False, num_warps=small.num_warps,
                                      num_stages=small.num_stages)),
+        (linear._rope_kernel, dict(HAS_BIAS=True, EVEN_K=True, NORM=True, BLOCK_M=linear.DECODE_ROWS, D=128,
+                                   BLOCK_K=linear.BLOCK_K, PDL=True, num_warps=4, num_stages=4)),
         (moe._pair_gate_up_kernel, pair(moe.PAIR_GATE_UP)),
         (moe._pair_down_kernel, pair(moe.PAIR_DOWN, TOP_K=8)),
         (moe._router_kernel, dict(route, ROWS=moe.ROUTER_ROWS, BLOCK_K=moe.ROUTER_BLOCK_K)),

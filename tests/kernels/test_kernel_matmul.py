@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from weft.attention.padded import attend_invariant
 from weft.benchmark.tune_gemm import layer_shapes
-from weft.layers.fused import silu_and_mul
+from weft.layers.fused import rotary_store, silu_and_mul
 from weft.layers.linear import (
     BLOCK_K,
     DECODE_ROWS,
@@ -32,10 +32,12 @@ from weft.layers.linear import (
     chunks,
     decode_launch,
     decode_matmul,
+    decode_rope,
     launch_for,
     launch_variants,
     matmul_kernel,
     plan,
+    rope_launch,
     tile_choices,
     tuned,
 )
@@ -263,6 +265,70 @@ def test_a_gated_decode_launch_is_silu_and_mul_of_its_product(device, dtype, lau
     want = F.silu(gate) * up
     scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-3)
     assert ((got.double() - want) / scale).abs().max() <= 4 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
+@pytest.mark.parametrize(("H_q", "H_kv", "D", "K", "splits"), [(4, 2, 32, 200, 3), (2, 1, 64, 256, 1),
+                                                             (8, 2, 16, 300, 2)])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("with_norms", [False, True], ids=["rope", "norm-rope"])
+def test_a_rope_decode_launch_is_its_product_then_rotary_store(device, dtype, H_q, H_kv, D, K, splits, bias,
+                                                                 with_norms):
+    """qkv's decode launch with RoPE and the K/V store in its epilogue: the bits of the same launch's product and then
+    weft.layers.fused.rotary_store (whose values test_kernel_layers checks), and nothing stored elsewhere (slots < 0,
+    a graph's padding rows, nowhere); a row's bits whatever rows run beside it."""
+    N = (H_q + 2 * H_kv) * D
+    x, w, b = operands(N, K, dtype, device, bias, M=DECODE_ROWS)
+    g = torch.Generator().manual_seed(K)
+    angles = torch.rand(DECODE_ROWS, 1, D, generator=g) * 6
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    norms = tuple((1 + torch.randn(D, generator=g)).to(dtype).to(device) for _ in "qk") if with_norms else None
+    slots = torch.randperm(4 * DECODE_ROWS, generator=g)[:DECODE_ROWS]
+    slots[1::3] = -1
+    slots = slots.to(device)
+    launch = DecodeLaunch(Tiles(DECODE_ROWS, D, 4, 3, 64), splits, DECODE_ROWS)
+
+    def slabs():  # the cache's rows, with a guard row on each side: a store to row -1 or past the end lands there
+        return [torch.full((4 * DECODE_ROWS + 2, H_kv, D), float("nan"), dtype=dtype, device=device) for _ in "kv"]
+
+    want_slabs = slabs()
+    qkv = decode_matmul(x, w, b, launch).split([H_q * D, H_kv * D, H_kv * D], dim=-1)
+    q, k, v = (t.view(DECODE_ROWS, -1, D) for t in qkv)
+    want_q = rotary_store(q, k, v, cos, sin, slots, *(s[1:-1] for s in want_slabs), norms, 1e-6)
+    for offset, M in ((0, DECODE_ROWS), (7, 1), (3, 5)):
+        rows = slice(offset, offset + M)
+        got_slabs = slabs()
+        got_q = decode_rope(x[rows].contiguous(), w, b, launch, H_q, H_kv, cos[rows].contiguous(),
+                            sin[rows].contiguous(), norms, 1e-6, slots[rows].contiguous(),
+                            *(s[1:-1] for s in got_slabs))
+        assert torch.equal(got_q, want_q[rows]) and got_q.shape == (M, H_q, D)
+        for got, want in zip(got_slabs, want_slabs, strict=True):
+            stored = torch.zeros(len(got), dtype=torch.bool)
+            stored[1 + slots[rows][slots[rows] >= 0].cpu()] = True
+            assert got[~stored.to(device)].isnan().all()
+            assert torch.equal(got[stored.to(device)], want[stored.to(device)])
+
+
+def test_the_rope_launch_keeps_the_plain_launchs_programs_in_whole_heads(monkeypatch):
+    """rope_launch: a head's D columns per program, in steps of BLOCK_K, as many programs as the plain tuned launch of
+    qkv's weight (its chunks at most K's steps); none without a plain launch, for D not a power of two, with the
+    layer's kernels off or batch-invariant. The plain launches of Qwen3-0.6B's and 4B's qkv on the H200 stand in."""
+    from weft.layers import linear
+
+    table = {(4096, 1024): DecodeLaunch(Tiles(DECODE_ROWS, 32, 4, 4, 128), 1, 16),
+             (6144, 2560): DecodeLaunch(Tiles(DECODE_ROWS, 64, 4, 4, 256), 1, 16),
+             (768, 512): DecodeLaunch(Tiles(DECODE_ROWS, 16, 4, 4, 256), 4, 8)}
+    monkeypatch.setattr(linear, "decode_launch", lambda M, w, gated=False: table.get(tuple(w.shape)))
+    for (N, K), D, splits in (((4096, 1024), 128, 4), ((6144, 2560), 128, 2), ((768, 512), 64, 4)):
+        proj = Linear(K, N, bias=False)
+        got = rope_launch(1, proj, D)
+        assert got == DecodeLaunch(Tiles(DECODE_ROWS, D, 4, 4, BLOCK_K), splits, table[N, K].max_rows)
+        assert rope_launch(1, proj, 96) is None
+        proj.batch_invariant = True
+        assert rope_launch(1, proj, D) is None
+        proj.batch_invariant, proj.kernels = False, False
+        assert rope_launch(1, proj, D) is None
+    assert rope_launch(1, Linear(64, 4096, bias=False), 128) is None
 
 
 def test_a_decode_runs_the_mlp_and_its_linear_layers_through_their_launches(monkeypatch):

@@ -130,6 +130,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def norm_rope(x1, x2, cos, sin, weight, col, ok, eps, HALF: tl.constexpr, NORM: tl.constexpr, dt: tl.constexpr):
+    """Rows of D = 2 * HALF values of `dt`, as their halves x1, x2 [R, C] (columns `col` [1, C], those past HALF
+    read as 0) -> the halves each normalized (NORM: each row's RMSNorm, `weight` [D]) and rotated by the row's cos
+    and sin (pointers to its D values: scalars, or [R, 1]; `ok` [R, C]: the rows and columns to read), rounded where
+    PyTorch rounds. RoPE's kernel and qkv's decode launch (weft.layers.linear) both call it: the same bits."""
+    if NORM:  # each head's RMSNorm first, rounded where add_rms_norm rounds (its sum of squares in another order)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1, w2 = tl.load(weight + col, mask=col < HALF), tl.load(weight + HALF + col, mask=col < HALF)
+        x1 = (w1.to(tl.float32) * (f1 * inv).to(dt).to(tl.float32)).to(dt)
+        x2 = (w2.to(tl.float32) * (f2 * inv).to(dt).to(tl.float32)).to(dt)
+    c1, c2 = tl.load(cos + col, mask=ok), tl.load(cos + HALF + col, mask=ok)
+    s1, s2 = tl.load(sin + col, mask=ok), tl.load(sin + HALF + col, mask=ok)
+    # x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype as PyTorch rounds them
+    y1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    return y1.to(dt), y2.to(dt)
+
+
+@triton.jit
 def _rotate_heads(src, stride_h, H, dst, stride_dst, cos, sin, weight, eps,
                   HALF: tl.constexpr, BLOCK: tl.constexpr, H_PAD: tl.constexpr, NORM: tl.constexpr):
     """One token's heads 0..H-1 (rows of D = 2 * HALF values at src + h * stride_h) -> dst + h * stride_dst:
@@ -139,21 +159,10 @@ def _rotate_heads(src, stride_h, H, dst, stride_dst, cos, sin, weight, eps,
     mask = (h < H) & (col < HALF)
     rows = src + h * stride_h + col
     x1, x2 = tl.load(rows, mask=mask, other=0.0), tl.load(rows + HALF, mask=mask, other=0.0)
-    dt = dst.dtype.element_ty
-    if NORM:  # each head's RMSNorm first, rounded where add_rms_norm rounds (its sum of squares in another order)
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)[:, None]
-        w1, w2 = tl.load(weight + col, mask=col < HALF), tl.load(weight + HALF + col, mask=col < HALF)
-        x1 = (w1.to(tl.float32) * (f1 * inv).to(dt).to(tl.float32)).to(dt)
-        x2 = (w2.to(tl.float32) * (f2 * inv).to(dt).to(tl.float32)).to(dt)
-    c1, c2 = tl.load(cos + col, mask=col < HALF), tl.load(cos + HALF + col, mask=col < HALF)
-    s1, s2 = tl.load(sin + col, mask=col < HALF), tl.load(sin + HALF + col, mask=col < HALF)
-    # x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype as PyTorch rounds them
-    y1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
-    y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    y1, y2 = norm_rope(x1, x2, cos, sin, weight, col, col < HALF, eps, HALF, NORM, dst.dtype.element_ty)
     out = dst + h * stride_dst + col
-    tl.store(out, y1.to(dt), mask=mask)
-    tl.store(out + HALF, y2.to(dt), mask=mask)
+    tl.store(out, y1, mask=mask)
+    tl.store(out + HALF, y2, mask=mask)
 
 
 @triton.jit

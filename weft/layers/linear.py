@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from weft.layers.fused import dependent_launch, follow, silu_times
+from weft.layers.fused import dependent_launch, follow, norm_rope, silu_times
 
 BLOCK_K = 128  # the step along K that `plan`'s chunks are made of, and the tiles' unless they say otherwise
 # A tile's loop over a chunk's steps is pipelined; at a chunk's end it starts again (the pipeline fills again) where
@@ -224,34 +224,50 @@ def _matmul_kernel(
         a_rows, b_cols = pid_m * BLOCK_M, pid_n * BLOCK_N
     else:
         x_src, w_src, a_rows, b_cols = x_ptr, w_ptr, rows, cols_in
-    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SPLIT_GRID:
-        at = partials_ptr + split * M * N + rows[:, None] * N + cols[None, :]
-        acc = _chunk(x_src, w_src, a_rows, row_ok, b_cols, split * chunk_k, chunk_k, K, stride_xm, stride_wn,
-                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
-        tl.store(at, acc, mask=out_ok)
-        if GATED:
-            acc = _chunk(x_src, w_src, a_rows, row_ok, b_cols + n_out, split * chunk_k, chunk_k, K, stride_xm,
-                         stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
-            tl.store(at + n_out, acc, mask=out_ok)
-        tl.debug_barrier()  # every thread's partials are issued before the arrival counts
-        counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
-        last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1
+        last, total, up = _split_sum(x_src, w_src, a_rows, row_ok, b_cols, rows, cols, out_ok, partials_ptr,
+                                     counters_ptr, split, pid_m, pid_n, M, N, K, n_out, stride_xm, stride_wn, splits,
+                                     chunk_k, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
         if last:
-            for s in range(splits):  # the last to arrive adds the chunks in order
-                total += tl.load(at + (s - split) * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    up += tl.load(at + (s - split) * M * N + n_out, mask=out_ok, other=0.0, cache_modifier=".cg")
-            tl.store(counter, 0)  # ready for the next launch
             _store(out_ptr, bias_ptr, total, up, rows, cols, cols_in, out_ok, stride_om, n_out, HAS_BIAS, GATED)
     else:
+        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         total = _whole(x_src, w_src, a_rows, row_ok, b_cols, K, stride_xm, stride_wn, splits, chunk_k, CHUNKED, NESTED,
                        EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
         if GATED:
             up = _whole(x_src, w_src, a_rows, row_ok, b_cols + n_out, K, stride_xm, stride_wn, splits, chunk_k,
                         CHUNKED, NESTED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
         _store(out_ptr, bias_ptr, total, up, rows, cols, cols_in, out_ok, stride_om, n_out, HAS_BIAS, GATED)
+
+
+@triton.jit
+def _split_sum(x_src, w_src, a_rows, row_ok, b_cols, rows, cols, out_ok, partials_ptr, counters_ptr, split, pid_m,
+               pid_n, M, N, K, n_out, stride_xm, stride_wn, splits, chunk_k, GATED: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               TMA: tl.constexpr):
+    """A split grid's program: its chunk of the tile (GATED: and of the up half's) into the float32 partials
+    [splits, M, N]; then (whether it arrived last of the tile's, the chunks' sums added in order, the up half's): the
+    last to arrive adds them, the others return zeros."""
+    at = partials_ptr + split * M * N + rows[:, None] * N + cols[None, :]
+    acc = _chunk(x_src, w_src, a_rows, row_ok, b_cols, split * chunk_k, chunk_k, K, stride_xm, stride_wn,
+                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+    tl.store(at, acc, mask=out_ok)
+    if GATED:
+        acc = _chunk(x_src, w_src, a_rows, row_ok, b_cols + n_out, split * chunk_k, chunk_k, K, stride_xm,
+                     stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+        tl.store(at + n_out, acc, mask=out_ok)
+    tl.debug_barrier()  # every thread's partials are issued before the arrival counts
+    counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if last:
+        for s in range(splits):  # the last to arrive adds the chunks in order
+            total += tl.load(at + (s - split) * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+            if GATED:
+                up += tl.load(at + (s - split) * M * N + n_out, mask=out_ok, other=0.0, cache_modifier=".cg")
+        tl.store(counter, 0)  # ready for the next launch
+    return last, total, up
 
 
 @triton.jit
@@ -494,3 +510,88 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     gate, then its up -> SiLU(gate) x up [M, N / 2], the bits of weft.layers.fused.silu_and_mul over the product."""
     p = chunks(x.shape[1], launch.tiles.block_k, launch.splits)
     return _launch(x, weight, bias, launch.tiles, p, p.splits > 1, gated)
+
+
+def rope_launch(M: int, proj: Linear, D: int) -> DecodeLaunch | None:
+    """The launch for M rows of `proj`, the attention's q/k/v projection with heads of D values, that ends in RoPE
+    and the K/V store (`decode_rope`): a program per head and chunk, as many as the plain tuned launch of `proj`'s
+    weight runs, in its warps and stages; in steps of BLOCK_K, as a head's D columns in steps of 256 would outgrow
+    shared memory. None where `proj` runs no tuned launch at M rows, or D is not a power of two (a tile's width)."""
+    launch = decode_launch(M, proj.weight) if proj.kernels and not proj.batch_invariant else None
+    if launch is None or D & (D - 1):
+        return None
+    N, K = proj.weight.shape
+    programs = launch.splits * triton.cdiv(N, launch.tiles.block_n)
+    splits = max(1, min(triton.cdiv(K, BLOCK_K), programs // (N // D)))
+    return DecodeLaunch(replace(launch.tiles, block_n=D, block_k=BLOCK_K), splits, launch.max_rows)
+
+
+# M changes from step to step (a decode graph's batch sizes): not specialized on it, as _matmul_kernel
+@triton.jit(do_not_specialize=["M", "splits"])
+def _rope_kernel(
+    x_ptr, w_ptr, bias_ptr, partials_ptr, counters_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, slots_ptr,
+    q_out_ptr, k_rows_ptr, v_rows_ptr, M, N, K, H_q, H_kv, eps, stride_xm, stride_wn, splits, chunk_k,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    # program (chunk, head): head < H_q a head of q, then H_kv of k, then H_kv of v; the last of a head's chunks to
+    # arrive rounds its product as decode_matmul does and then does what weft.layers.fused's RoPE kernel does with it
+    HALF: tl.constexpr = D // 2
+    split, head = tl.program_id(0), tl.program_id(1)
+    rows, cols = tl.arange(0, BLOCK_M), head * D + tl.arange(0, D)
+    row_ok = rows < M
+    follow(PDL)
+    last, total, _ = _split_sum(x_ptr, w_ptr, rows, row_ok, cols, rows, cols, row_ok[:, None], partials_ptr,
+                                counters_ptr, split, 0, head, M, N, K, N, stride_xm, stride_wn, splits, chunk_k, False,
+                                BLOCK_M, D, BLOCK_K, EVEN_K, False)
+    if last:
+        dt = q_out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+        x1, x2 = tl.split(tl.permute(tl.reshape(total.to(dt), [BLOCK_M, 2, HALF]), (0, 2, 1)))  # [BLOCK_M, HALF]
+        col = tl.arange(0, HALF)[None, :]
+        ok = row_ok[:, None] & (col < HALF)
+        slot = tl.load(slots_ptr + rows, mask=row_ok, other=-1)[:, None]  # < 0: stored nowhere
+        if head < H_q:
+            weight, dst, keep = q_weight_ptr, q_out_ptr + rows[:, None] * (H_q * D) + head * D, ok
+        elif head < H_q + H_kv:
+            weight, dst, keep = k_weight_ptr, k_rows_ptr + slot * (H_kv * D) + (head - H_q) * D, ok & (slot >= 0)
+        else:
+            weight, dst, keep = k_weight_ptr, v_rows_ptr + slot * (H_kv * D) + (head - H_q - H_kv) * D, ok & (slot >= 0)
+        if head < H_q + H_kv:
+            x1, x2 = norm_rope(x1, x2, cos_ptr + rows[:, None] * D, sin_ptr + rows[:, None] * D, weight, col, ok, eps,
+                               HALF, NORM, dt)
+        tl.store(dst + col, x1, mask=keep)
+        tl.store(dst + HALF + col, x2, mask=keep)
+
+
+def decode_rope(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: DecodeLaunch, H_q: int, H_kv: int,
+    cos: torch.Tensor, sin: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float,
+    slot_mapping: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias), N = (H_q + 2 H_kv) D with D = launch's block_n, by `launch` (a split grid
+    whatever its splits, M <= DECODE_ROWS); then as weft.layers.fused.rotary_store on the product's q, k and v: the
+    same bits as the two launches, in one -> rotated q [M, H_q, D]; k and v at rows slot_mapping [M] of k_rows /
+    v_rows [slots, H_kv, D]. cos/sin [M, 1, D]; `norms`: Qwen3's q and k RMSNorm weights [D] (epsilon `eps`)."""
+    M, K = x.shape
+    N, D = weight.shape[0], launch.tiles.block_n
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and M <= DECODE_ROWS and N == (H_q + 2 * H_kv) * D
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape == (M, 1, D)
+    assert slot_mapping.shape == (M,) and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    assert k_rows.is_contiguous() and v_rows.is_contiguous() and k_rows.shape[1:] == v_rows.shape[1:] == (H_kv, D)
+    assert norms is None or all(w.shape == (D,) and w.is_contiguous() for w in norms)
+    p, t = chunks(K, launch.tiles.block_k, launch.splits), launch.tiles
+    q = torch.empty(M, H_q, D, dtype=x.dtype, device=x.device)
+    partials = torch.empty(p.splits, M, N, dtype=torch.float32, device=x.device)
+    counters = arrival_counters(x.device) if x.is_cuda else torch.zeros(N // D, dtype=torch.int32)
+    q_weight, k_weight = norms if norms is not None else (q, q)  # unread without norms
+    _rope_kernel[(p.splits, N // D)](
+        x, weight, bias if bias is not None else weight, partials, counters, cos, sin, q_weight, k_weight,
+        slot_mapping, q, k_rows, v_rows, M, N, K, H_q, H_kv, eps, x.stride(0), weight.stride(0), p.splits,
+        p.chunk_k, HAS_BIAS=bias is not None, EVEN_K=K % t.block_k == 0, NORM=norms is not None, BLOCK_M=t.block_m,
+        D=D, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        enable_fp_fusion=False,  # RoPE as weft.layers.fused's kernel computes it, unfused
+        **dependent_launch(x.device),
+    )
+    return q

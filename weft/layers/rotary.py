@@ -9,6 +9,7 @@ from torch import nn
 
 from weft.config import Llama3Rope
 from weft.layers import fused
+from weft.layers.linear import DecodeLaunch, Linear, decode_rope
 from weft.layers.norm import RMSNorm
 
 
@@ -63,6 +64,17 @@ def rotate_into_cache(
     of k_rows / v_rows [slots, H_kv, D] instead of returned -> rotated q: the RoPE and the K/V write in one kernel
     (fused.rotary_store; where the kernels run)."""
     return fused.rotary_store(q, k, v, cos, sin, slot_mapping, k_rows, v_rows, *_weights(norms))
+
+
+def project_into_cache(
+    x: torch.Tensor, proj: Linear, launch: DecodeLaunch, H_q: int, H_kv: int, cos: torch.Tensor, sin: torch.Tensor,
+    slot_mapping: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+    norms: tuple[RMSNorm, RMSNorm] | None = None,
+) -> torch.Tensor:
+    """x [T_total, E] through `proj` (the q/k/v projection, N = (H_q + 2 H_kv) D) by `launch` (linear.rope_launch's),
+    then `rotate_into_cache` on its q, k and v, in the same launch (linear.decode_rope) -> rotated q."""
+    return decode_rope(x.contiguous(), proj.weight, proj.bias, launch, H_q, H_kv, cos, sin, *_weights(norms),
+                       slot_mapping, k_rows, v_rows)
 
 
 def _weights(norms: tuple[RMSNorm, RMSNorm] | None) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:

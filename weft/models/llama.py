@@ -21,12 +21,12 @@ from weft.attention.base import CacheSlots
 from weft.config import ModelConfig
 from weft.distributed import SINGLE, TensorParallel
 from weft.layers import fused
-from weft.layers.linear import Linear
+from weft.layers.linear import Linear, rope_launch
 from weft.layers.mlp import SwiGLU
 from weft.layers.moe import SparseMoE
 from weft.layers.norm import RMSNorm
 from weft.layers.parallel import RowParallelLinear, VocabParallelEmbedding
-from weft.layers.rotary import RotaryEmbedding, apply_rotary, rotate_into_cache
+from weft.layers.rotary import RotaryEmbedding, apply_rotary, project_into_cache, rotate_into_cache
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T_total, 1, D] of this step's positions
 StepT = TypeVar("StepT", contravariant=True)  # the per-step state the attention it is passed to takes
@@ -62,11 +62,16 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, attn: Attention[StepT], step: StepT) -> torch.Tensor:
         """x [T_total, E] -> [T_total, E]"""
         cfg = self.cfg
+        kernels = self.kernels and fused.on_kernels(x)
+        cache = attn.cache_slots(self.layer, step) if kernels else None
+        if cache is not None and (launch := rope_launch(x.shape[0], self.qkv_proj, cfg.D)) is not None:
+            # a decode's few rows: RoPE and the K/V store in the epilogue of qkv's tuned launch
+            q = project_into_cache(x, self.qkv_proj, launch, cfg.H_q, cfg.H_kv, *rope, cache.slot_mapping,
+                                   cache.k_rows, cache.v_rows, self.head_norms())
+            return self.o_proj(attn.attend(self.layer, q, step).flatten(1))
         heads = (cfg.H_q, cfg.H_kv, cfg.H_kv)
         qkv = self.qkv_proj(x).split([h * cfg.D for h in heads], dim=-1)
         q, k, v = (t.view(-1, h, cfg.D) for t, h in zip(qkv, heads, strict=True))
-        kernels = self.kernels and fused.on_kernels(q)
-        cache = attn.cache_slots(self.layer, step) if kernels else None
         if cache is None:
             q, k = apply_rotary(q, k, *rope, self.head_norms(), kernels)
             o = attn.forward(self.layer, q, k, v, step)  # [T_total, H_q, D]
