@@ -309,17 +309,18 @@ def test_a_rope_decode_launch_is_its_product_then_rotary_store(device, dtype, H_
             assert torch.equal(got[stored.to(device)], want[stored.to(device)])
 
 
-def test_the_rope_launch_keeps_the_plain_launchs_programs_in_whole_heads(monkeypatch):
-    """rope_launch: a head's D columns per program, in steps of BLOCK_K, as many programs as the plain tuned launch of
-    qkv's weight (its chunks at most K's steps); none without a plain launch, for D not a power of two, with the
-    layer's kernels off or batch-invariant. The plain launches of Qwen3-0.6B's and 4B's qkv on the H200 stand in."""
+def test_the_rope_launch_runs_half_the_plain_launchs_programs_in_whole_heads(monkeypatch):
+    """rope_launch: a head's D columns per program, in steps of BLOCK_K, half as many programs as the plain tuned launch
+    of qkv's weight (its chunks at least one, at most K's steps); none without a plain launch, for D not a power of
+    two, with the layer's kernels off or batch-invariant. The plain launches of Qwen3-0.6B's and 4B's qkv on the H200
+    stand in."""
     from weft.layers import linear
 
     table = {(4096, 1024): DecodeLaunch(Tiles(DECODE_ROWS, 32, 4, 4, 128), 1, 16),
              (6144, 2560): DecodeLaunch(Tiles(DECODE_ROWS, 64, 4, 4, 256), 1, 16),
              (768, 512): DecodeLaunch(Tiles(DECODE_ROWS, 16, 4, 4, 256), 4, 8)}
     monkeypatch.setattr(linear, "decode_launch", lambda M, w, gated=False: table.get(tuple(w.shape)))
-    for (N, K), D, splits in (((4096, 1024), 128, 4), ((6144, 2560), 128, 2), ((768, 512), 64, 4)):
+    for (N, K), D, splits in (((4096, 1024), 128, 2), ((6144, 2560), 128, 1), ((768, 512), 64, 4)):
         proj = Linear(K, N, bias=False)
         got = rope_launch(1, proj, D)
         assert got == DecodeLaunch(Tiles(DECODE_ROWS, D, 4, 4, BLOCK_K), splits, table[N, K].max_rows)

@@ -514,15 +514,18 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def rope_launch(M: int, proj: Linear, D: int) -> DecodeLaunch | None:
     """The launch for M rows of `proj`, the attention's q/k/v projection with heads of D values, that ends in RoPE
-    and the K/V store (`decode_rope`): a program per head and chunk, as many as the plain tuned launch of `proj`'s
-    weight runs, in its warps and stages; in steps of BLOCK_K, as a head's D columns in steps of 256 would outgrow
-    shared memory. None where `proj` runs no tuned launch at M rows, or D is not a power of two (a tile's width)."""
+    and the K/V store (`decode_rope`): a program per head and chunk, half as many as the plain tuned launch of
+    `proj`'s weight runs (at least one chunk, at most K's steps), in its warps and stages; in steps of BLOCK_K, as a
+    head's D columns in steps of 256 would outgrow shared memory. Half: fewer chunks for a head's last program to add
+    before its RoPE; on an H100 it beat as many and twice as many in Qwen3-0.6B's and 4B's batch-1 steps, and a
+    quarter (Qwen3-0.6B's heads one chunk each) lost (results/logs/h100_rope_epilogue_b58a4c6.log). None where
+    `proj` runs no tuned launch at M rows, or D is not a power of two (a tile's width)."""
     launch = decode_launch(M, proj.weight) if proj.kernels and not proj.batch_invariant else None
     if launch is None or D & (D - 1):
         return None
     N, K = proj.weight.shape
     programs = launch.splits * triton.cdiv(N, launch.tiles.block_n)
-    splits = max(1, min(triton.cdiv(K, BLOCK_K), programs // (N // D)))
+    splits = max(1, min(triton.cdiv(K, BLOCK_K), programs // (2 * (N // D))))
     return DecodeLaunch(replace(launch.tiles, block_n=D, block_k=BLOCK_K), splits, launch.max_rows)
 
 
