@@ -268,10 +268,11 @@ def test_a_gated_decode_launch_is_silu_and_mul_of_its_product(device, dtype, lau
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
-@pytest.mark.parametrize(("H_q", "H_kv", "D", "K", "splits"), [(4, 2, 32, 200, 3), (2, 1, 64, 256, 1),
-                                                             (8, 2, 16, 300, 2)])
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("with_norms", [False, True], ids=["rope", "norm-rope"])
+# (H_q, H_kv, D, K, splits, bias, norms): chunks past K's end or ending at it, one chunk; each of bias and norms
+# with and without the other
+@pytest.mark.parametrize(("H_q", "H_kv", "D", "K", "splits", "bias", "with_norms"), [
+    (4, 2, 32, 200, 3, False, True), (2, 1, 64, 256, 1, True, False), (8, 2, 16, 300, 2, True, True),
+    (4, 2, 32, 256, 2, False, False)])
 def test_a_rope_decode_launch_is_its_product_then_rotary_store(device, dtype, H_q, H_kv, D, K, splits, bias,
                                                                  with_norms):
     """qkv's decode launch with RoPE and the K/V store in its epilogue: the bits of the same launch's product and then
