@@ -92,11 +92,16 @@ def test_the_layer_kernels_match_hf(reference, device, monkeypatch):
     check("tiny-qwen3", Case("paged", "continuous", budget=CHUNK), reference, device)
 
 
-def test_the_decode_launches_match_hf(reference, device, monkeypatch):
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3-d16"])
+def test_the_decode_launches_match_hf(name, reference, device, monkeypatch):
     """Decodes through the tuned decode launches (a fixed one stands in for the table, which holds GPUs' entries
     only): the MLP's gated, the other layers' plain, and q/k/v's with RoPE and the K/V store in its epilogue (Qwen2:
-    with q/k/v's biases). The same tokens as HF, and the RoPE launch ran."""
+    with q/k/v's biases; Qwen3, with heads of 16 for the launch's tiles: with its q/k norms). The same tokens as HF,
+    and the RoPE launch ran."""
     from weft.layers import linear, mlp, rotary
+    from weft.models import loader
+
+    monkeypatch.setitem(loader.NAMED_CONFIGS, "tiny-qwen3-d16", {**loader.NAMED_CONFIGS["tiny-qwen3"], "head_dim": 16})
 
     launch = linear.DecodeLaunch(linear.Tiles(linear.DECODE_ROWS, 16, 4, 3, 64), 2, linear.DECODE_ROWS)
 
@@ -113,5 +118,5 @@ def test_the_decode_launches_match_hf(reference, device, monkeypatch):
     monkeypatch.setattr(linear, "decode_launch", lookup)
     monkeypatch.setattr(mlp, "decode_launch", lookup)
     monkeypatch.setattr(rotary, "decode_rope", decode_rope)
-    check("tiny-qwen2", Case("paged", "continuous", budget=CHUNK), reference, device, prompts=2, max_tokens=6)
+    check(name, Case("paged", "continuous", budget=CHUNK), reference, device, prompts=2, max_tokens=5)
     assert ran

@@ -269,10 +269,10 @@ def test_a_gated_decode_launch_is_silu_and_mul_of_its_product(device, dtype, lau
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES + GPU_DTYPES)
 # (H_q, H_kv, D, K, splits, bias, norms): chunks past K's end or ending at it, one chunk; each of bias and norms
-# with and without the other
+# with and without the other; on the GPU Qwen3-0.6B's heads (the norm's sum over a head of 128 in the MMA's layout)
 @pytest.mark.parametrize(("H_q", "H_kv", "D", "K", "splits", "bias", "with_norms"), [
     (4, 2, 32, 200, 3, False, True), (2, 1, 64, 256, 1, True, False), (8, 2, 16, 300, 2, True, True),
-    (4, 2, 32, 256, 2, False, False)])
+    (4, 2, 32, 256, 2, False, False), pytest.param(16, 8, 128, 1024, 2, False, True, marks=pytest.mark.gpu)])
 def test_a_rope_decode_launch_is_its_product_then_rotary_store(device, dtype, H_q, H_kv, D, K, splits, bias,
                                                                  with_norms):
     """qkv's decode launch with RoPE and the K/V store in its epilogue: the bits of the same launch's product and then
@@ -313,8 +313,8 @@ def test_a_rope_decode_launch_is_its_product_then_rotary_store(device, dtype, H_
 def test_the_rope_launch_runs_half_the_plain_launchs_programs_in_whole_heads(monkeypatch):
     """rope_launch: a head's D columns per program, in steps of BLOCK_K, half as many programs as the plain tuned launch
     of qkv's weight (its chunks at least one, at most K's steps); none without a plain launch, for D not a power of
-    two, with the layer's kernels off or batch-invariant. The plain launches of Qwen3-0.6B's and 4B's qkv on the H200
-    stand in."""
+    two or past 128, with the layer's kernels off or batch-invariant. The plain launches of Qwen3-0.6B's and 4B's qkv
+    on the H200 stand in."""
     from weft.layers import linear
 
     table = {(4096, 1024): DecodeLaunch(Tiles(DECODE_ROWS, 32, 4, 4, 128), 1, 16),
@@ -325,7 +325,7 @@ def test_the_rope_launch_runs_half_the_plain_launchs_programs_in_whole_heads(mon
         proj = Linear(K, N, bias=False)
         got = rope_launch(1, proj, D)
         assert got == DecodeLaunch(Tiles(DECODE_ROWS, D, 4, 4, BLOCK_K), splits, table[N, K].max_rows)
-        assert rope_launch(1, proj, 96) is None
+        assert rope_launch(1, proj, 96) is None and rope_launch(1, proj, 256) is None
         proj.batch_invariant = True
         assert rope_launch(1, proj, D) is None
         proj.batch_invariant, proj.kernels = False, False

@@ -519,9 +519,10 @@ def rope_launch(M: int, proj: Linear, D: int) -> DecodeLaunch | None:
     head's D columns in steps of 256 would outgrow shared memory. Half: fewer chunks for a head's last program to add
     before its RoPE; on an H100 it beat as many and twice as many in Qwen3-0.6B's and 4B's batch-1 steps, and a
     quarter (Qwen3-0.6B's heads one chunk each) lost (results/logs/h100_rope_epilogue_b58a4c6.log). None where
-    `proj` runs no tuned launch at M rows, or D is not a power of two (a tile's width)."""
+    `proj` runs no tuned launch at M rows, where D is not a power of two (a tile's width), or past 128 (a head's
+    tile, staged as deep as the plain launch's, could outgrow shared memory)."""
     launch = decode_launch(M, proj.weight) if proj.kernels and not proj.batch_invariant else None
-    if launch is None or D & (D - 1):
+    if launch is None or D & (D - 1) or D > 128:
         return None
     N, K = proj.weight.shape
     programs = launch.splits * triton.cdiv(N, launch.tiles.block_n)
@@ -583,6 +584,7 @@ def decode_rope(
     assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape == (M, 1, D)
     assert slot_mapping.shape == (M,) and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
     assert k_rows.is_contiguous() and v_rows.is_contiguous() and k_rows.shape[1:] == v_rows.shape[1:] == (H_kv, D)
+    assert k_rows.dtype == v_rows.dtype == x.dtype and N // D <= COUNTERS
     assert norms is None or all(w.shape == (D,) and w.is_contiguous() for w in norms)
     p, t = chunks(K, launch.tiles.block_k, launch.splits), launch.tiles
     q = torch.empty(M, H_q, D, dtype=x.dtype, device=x.device)
