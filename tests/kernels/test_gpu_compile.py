@@ -79,9 +79,7 @@ def compile_all() -> None:
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants),
                                   target=GPUTarget("cuda", 90, 32), options=dict(enable_fp_fusion=False, **options))
         assert compiled.asm.get("cubin"), kernel.fn.__name__
-        ptx = compiled.asm["ptx"]
-        early = 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait")
-        print(kernel.fn.__name__, constants, "compiled", "prefetching its weight before its wait" if early else "")
+        print(kernel.fn.__name__, constants, "compiled")
 
 
 def test_kernels_compile_for_the_gpu():
@@ -89,9 +87,6 @@ def test_kernels_compile_for_the_gpu():
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.count("compiled") == len(kernels()), run.stdout
-    # the linear layers' launches ask L2 for their weight before they wait on the kernel before them
-    matmuls = [line for line in run.stdout.splitlines() if line.startswith(("_matmul_kernel", "_rope_kernel"))]
-    assert len(matmuls) == 4 and all(line.endswith("before its wait") for line in matmuls), run.stdout
 
 
 if __name__ == "__main__":

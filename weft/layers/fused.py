@@ -53,22 +53,6 @@ def follow(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch(w_ptr, cols, stride_wn, start, length, K, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Under PDL, before `follow`: ask L2 for w[cols, start : min(start + length, K)] (cols [BLOCK_N]; a weight,
-    which no kernel writes), so that its bytes stream while the kernels before this one finish: one prefetch per
-    128-byte line of each step's BLOCK_K columns."""
-    if PDL:
-        LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
-        lines = tl.arange(0, BLOCK_K // LINE) * LINE
-        end = tl.minimum(start + length, K)
-        for k0 in range(start, end, BLOCK_K):
-            k = tl.minimum(k0 + lines, end - 1)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l",
-                                      [w_ptr + cols[:, None] * stride_wn + k[None, :]], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-
-@triton.jit
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, H, eps,
     stride_xt, stride_xh, stride_rt,

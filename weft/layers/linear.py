@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from weft.layers.fused import dependent_launch, follow, norm_rope, prefetch, silu_times
+from weft.layers.fused import dependent_launch, follow, norm_rope, silu_times
 
 BLOCK_K = 128  # the step along K that `plan`'s chunks are made of, and the tiles' unless they say otherwise
 # A tile's loop over a chunk's steps is pipelined; at a chunk's end it starts again (the pipeline fills again) where
@@ -43,8 +43,6 @@ NESTED_STEPS = 4
 GROUP_M = 8  # a whole-K grid runs GROUP_M row tiles per column tile in turn, so a weight tile is read once for them
 PLAN_BLOCK_N = 64  # the tile width `plan` counts programs in (whatever width a launch then uses)
 PROGRAMS = 256  # the programs a one-tile decode should spread over (about two per SM on an H200's 132)
-# The columns of K a program's weight rows are asked of L2 for before it waits on the kernel before it (`prefetch`)
-PREFETCH_K = 512
 COUNTERS = 4096  # arrival counters per device: the most tiles a split launch may have
 ROWS = 16  # the CPU's row block
 DECODE_ROWS = 16  # the most rows a tuned decode launch serves: one tile of mma.sync's 16 rows
@@ -193,9 +191,9 @@ def _chunk(x_ptr, w_ptr, rows, row_ok, cols, start, chunk_k, K, stride_xm, strid
 @triton.jit(do_not_specialize=["M", "splits"])
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    splits, chunk_k, prefetch_k, CHUNKED: tl.constexpr, NESTED: tl.constexpr, SPLIT_GRID: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+    splits, chunk_k, CHUNKED: tl.constexpr, NESTED: tl.constexpr, SPLIT_GRID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, GATED: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     # Rows past M are masked (a decode's one row loads one row: clamped, the tile's rows each loaded it again, and
     # decodes ran slower, results/logs/h200_tune_gemm_58661a0.log); columns past the output's are clamped: they read
@@ -219,10 +217,6 @@ def _matmul_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, cols_in = rows < M, tl.minimum(cols, n_out - 1)
     out_ok = row_ok[:, None] & (cols < n_out)[None, :]
-    start, length = (split * chunk_k, tl.minimum(chunk_k, prefetch_k)) if SPLIT_GRID else (0, prefetch_k)
-    prefetch(w_ptr, cols_in, stride_wn, start, length, K, BLOCK_K, PDL)
-    if GATED:
-        prefetch(w_ptr, cols_in + n_out, stride_wn, start, length, K, BLOCK_K, PDL)
     follow(PDL)  # and then the descriptors: their scratch may be the kernel before's (see `tma_scratch`)
     if TMA:
         x_src = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
@@ -395,7 +389,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t:
     _matmul_kernel[grid](
         x, weight, bias if bias is not None else weight, out, partials, counters, M, N, K,
         x.stride(0), weight.stride(0), out.stride(0),
-        p.splits, p.chunk_k, PREFETCH_K, CHUNKED=p.splits > 1,
+        p.splits, p.chunk_k, CHUNKED=p.splits > 1,
         NESTED=not split and p.splits > 1 and p.chunk_k // t.block_k >= NESTED_STEPS,
         SPLIT_GRID=split, HAS_BIAS=bias is not None, EVEN_K=K % t.block_k == 0, GATED=gated, GROUP_M=GROUP_M,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, TMA=t.tma and tma_ready(x, weight),
@@ -541,8 +535,8 @@ def rope_launch(M: int, proj: Linear, D: int) -> DecodeLaunch | None:
 def _rope_kernel(
     x_ptr, w_ptr, bias_ptr, partials_ptr, counters_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, slots_ptr,
     q_out_ptr, k_rows_ptr, v_rows_ptr, M, N, K, H_q, H_kv, eps, stride_xm, stride_wn, splits, chunk_k,
-    prefetch_k, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
-    D: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (chunk, head): head < H_q a head of q, then H_kv of k, then H_kv of v; the last of a head's chunks to
     # arrive rounds its product as decode_matmul does and then does what weft.layers.fused's RoPE kernel does with it
@@ -550,7 +544,6 @@ def _rope_kernel(
     split, head = tl.program_id(0), tl.program_id(1)
     rows, cols = tl.arange(0, BLOCK_M), head * D + tl.arange(0, D)
     row_ok = rows < M
-    prefetch(w_ptr, cols, stride_wn, split * chunk_k, tl.minimum(chunk_k, prefetch_k), K, BLOCK_K, PDL)
     follow(PDL)
     last, total, _ = _split_sum(x_ptr, w_ptr, rows, row_ok, cols, rows, cols, row_ok[:, None], partials_ptr,
                                 counters_ptr, split, 0, head, M, N, K, N, stride_xm, stride_wn, splits, chunk_k, False,
@@ -601,8 +594,8 @@ def decode_rope(
     _rope_kernel[(p.splits, N // D)](
         x, weight, bias if bias is not None else weight, partials, counters, cos, sin, q_weight, k_weight,
         slot_mapping, q, k_rows, v_rows, M, N, K, H_q, H_kv, eps, x.stride(0), weight.stride(0), p.splits,
-        p.chunk_k, PREFETCH_K, HAS_BIAS=bias is not None, EVEN_K=K % t.block_k == 0, NORM=norms is not None,
-        BLOCK_M=t.block_m, D=D, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        p.chunk_k, HAS_BIAS=bias is not None, EVEN_K=K % t.block_k == 0, NORM=norms is not None, BLOCK_M=t.block_m,
+        D=D, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
         enable_fp_fusion=False,  # RoPE as weft.layers.fused's kernel computes it, unfused
         **dependent_launch(x.device),
     )
