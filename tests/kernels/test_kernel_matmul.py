@@ -292,6 +292,15 @@ def test_a_rope_decode_launch_is_its_product_then_rotary_store(device, dtype, H_
     def slabs():  # the cache's rows, with a guard row on each side: a store to row -1 or past the end lands there
         return [torch.full((4 * DECODE_ROWS + 2, H_kv, D), float("nan"), dtype=dtype, device=device) for _ in "kv"]
 
+    def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+        """Bit for bit; but float32 under the norms on the GPU, where a head's sum of squares is reduced in the MMA
+        tile's layout, in another order than RoPE's kernel: there within a few of float32's units (bfloat16 and
+        float16 round both to the same bits here)."""
+        if with_norms and dtype == torch.float32 and device.type == "cuda":
+            scale = want.abs().max().item() if want.numel() else 0.0
+            return torch.allclose(got, want, rtol=0, atol=8 * torch.finfo(dtype).eps * scale)
+        return torch.equal(got, want)
+
     want_slabs = slabs()
     qkv = decode_matmul(x, w, b, launch).split([H_q * D, H_kv * D, H_kv * D], dim=-1)
     q, k, v = (t.view(DECODE_ROWS, -1, D) for t in qkv)
@@ -302,12 +311,12 @@ def test_a_rope_decode_launch_is_its_product_then_rotary_store(device, dtype, H_
         got_q = decode_rope(x[rows].contiguous(), w, b, launch, H_q, H_kv, cos[rows].contiguous(),
                             sin[rows].contiguous(), norms, 1e-6, slots[rows].contiguous(),
                             *(s[1:-1] for s in got_slabs))
-        assert torch.equal(got_q, want_q[rows]) and got_q.shape == (M, H_q, D)
+        assert same(got_q, want_q[rows]) and got_q.shape == (M, H_q, D)
         for got, want in zip(got_slabs, want_slabs, strict=True):
             stored = torch.zeros(len(got), dtype=torch.bool)
             stored[1 + slots[rows][slots[rows] >= 0].cpu()] = True
             assert got[~stored.to(device)].isnan().all()
-            assert torch.equal(got[stored.to(device)], want[stored.to(device)])
+            assert same(got[stored.to(device)], want[stored.to(device)])
 
 
 def test_the_rope_launch_runs_half_the_plain_launchs_programs_in_whole_heads(monkeypatch):

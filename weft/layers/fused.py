@@ -134,7 +134,9 @@ def norm_rope(x1, x2, cos, sin, weight, col, ok, eps, HALF: tl.constexpr, NORM: 
     """Rows of D = 2 * HALF values of `dt`, as their halves x1, x2 [R, C] (columns `col` [1, C], those past HALF
     read as 0) -> the halves each normalized (NORM: each row's RMSNorm, `weight` [D]) and rotated by the row's cos
     and sin (pointers to its D values: scalars, or [R, 1]; `ok` [R, C]: the rows and columns to read), rounded where
-    PyTorch rounds. RoPE's kernel and qkv's decode launch (weft.layers.linear) both call it: the same bits."""
+    PyTorch rounds. RoPE's kernel and qkv's decode launch (weft.layers.linear) both call it, with the same bits but
+    for the norm's sum of squares, which Triton reduces in the layout the caller's values come in: on the GPU qkv's
+    launch (an MMA tile) sums a head of 128 in another order than RoPE's kernel, in float32 a few units apart."""
     if NORM:  # each head's RMSNorm first, rounded where add_rms_norm rounds (its sum of squares in another order)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)[:, None]

@@ -576,8 +576,9 @@ def decode_rope(
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias), N = (H_q + 2 H_kv) D with D = launch's block_n, by `launch` (a split grid
     whatever its splits, M <= DECODE_ROWS); then as weft.layers.fused.rotary_store on the product's q, k and v: the
-    same bits as the two launches, in one -> rotated q [M, H_q, D]; k and v at rows slot_mapping [M] of k_rows /
-    v_rows [slots, H_kv, D]. cos/sin [M, 1, D]; `norms`: Qwen3's q and k RMSNorm weights [D] (epsilon `eps`)."""
+    same bits as the two launches, in one (but Qwen3's norms: see `norm_rope`) -> rotated q [M, H_q, D]; k and v at
+    rows slot_mapping [M] of k_rows / v_rows [slots, H_kv, D]. cos/sin [M, 1, D]; `norms`: Qwen3's q and k RMSNorm
+    weights [D] (epsilon `eps`)."""
     M, K = x.shape
     N, D = weight.shape[0], launch.tiles.block_n
     assert x.stride(1) == 1 and weight.stride(1) == 1 and M <= DECODE_ROWS and N == (H_q + 2 * H_kv) * D
