@@ -10,7 +10,7 @@ from weft.benchmark.profiling import kernel_class, step_profile
 
 @pytest.mark.parametrize(("name", "cls"), [
     ("_split_kernel", "attention"), ("_prefill_kernel", "attention"), ("_grouped_kernel", "attention"),
-    ("_write_kernel", "kv write"), ("_matmul_kernel", "gemm"),
+    ("_write_kernel", "kv write"), ("_matmul_kernel", "gemm"), ("_rope_kernel", "gemm"),
     ("_add_rms_norm_kernel", "norm"), ("_rotary_kernel", "rope"), ("_silu_and_mul_kernel", "activation"),
     ("nvjet_tst_128x64_64x8_1x2_h_bz_TNT", "gemm"), ("sm90_xmma_gemm_bf16bf16_bf16f32", "gemm"),
     ("Memcpy HtoD (Pinned -> Device)", "copy"),

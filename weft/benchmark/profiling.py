@@ -44,7 +44,9 @@ KERNEL_CLASSES = (
     ("norm", ("rms_norm",)),
     ("rope", ("_rotary",)),  # with Qwen3's q/k RMSNorms, and the K/V store where the backend gives cache_slots
     ("activation", ("_silu",)),
-    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "sm90", "splitk", "_matmul_kernel")),
+    # `_rope_kernel`: qkv's decode matmul, with RoPE, the q/k norms and the K/V store in its epilogue
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "sm90", "splitk", "_matmul_kernel",
+              "_rope_kernel")),
     ("sampling", ("sort", "topk", "argmax", "softmax", "exponential", "max_")),
     ("copy", ("memcpy", "memset", "copy")),
 )
