@@ -45,6 +45,8 @@ def test_bench_config_labels_and_ids():
     assert every.id == "continuous-paged-nochunks-eager-nocache-nooverlap-nofused"
     assert BenchConfig(options=dict(cudagraph_mode="FULL_DECODE_ONLY")).id == "continuous-paged-nopiecewise"
     assert BenchConfig(options=dict(enforce_eager=True)).id == "continuous-paged-eager"
+    tuned = BenchConfig(options=dict(attention="triton", enable_tuned_gemms=False))
+    assert (tuned.label, tuned.id) == ("continuous×triton, no tuned GEMMs", "continuous-triton-notuned")
     # only an explicit False is labelled: True and None are the defaults' own values
     assert BenchConfig(options=dict(enable_prefix_caching=None, enable_overlap=True)).label == "continuous×paged"
     # a step token budget is labelled unless it is the engine's own default

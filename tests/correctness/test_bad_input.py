@@ -228,6 +228,7 @@ def test_add_requests_queues_all_or_none(llm, good_tokens, ids, prompts, message
         (dict(kv_cache_memory_bytes=-1), ValueError, "kv_cache_memory_bytes must be >= 1"),
         (dict(enforce_eager="no"), TypeError, "enforce_eager must be a bool"),
         (dict(enable_fused_layers=None), TypeError, "enable_fused_layers must be a bool"),
+        (dict(enable_tuned_gemms=1), TypeError, "enable_tuned_gemms must be a bool"),
         (dict(cudagraph_mode="FULL"), ValueError, "unknown cudagraph_mode 'FULL': choose from FULL_AND_PIECEWISE"),
         (dict(cudagraph_mode=None), TypeError, "cudagraph_mode must be a str"),
         (dict(device="gpu"), ValueError, "unknown device 'gpu'"),

@@ -120,3 +120,25 @@ def test_the_decode_launches_match_hf(name, reference, device, monkeypatch):
     monkeypatch.setattr(rotary, "decode_rope", decode_rope)
     check(name, Case("paged", "continuous", budget=CHUNK), reference, device, prompts=2, max_tokens=5)
     assert ran
+
+
+def test_without_tuned_gemms_no_decode_launch_runs(device, monkeypatch):
+    """enable_tuned_gemms=False: a decode's linear layers never ask for a tuned launch (here one would be found for
+    every shape, and asking fails), while the fused layer kernels still run: e12's notuned row turns off only them."""
+    from weft import LLM, SamplingParams
+    from weft.layers import linear, mlp
+
+    ran = []
+
+    def silu_and_mul(*args, silu_and_mul=fused.silu_and_mul):
+        ran.append("silu_and_mul")
+        return silu_and_mul(*args)
+
+    monkeypatch.setattr(fused, "on_kernels", lambda x: True)
+    monkeypatch.setattr(fused, "silu_and_mul", silu_and_mul)
+    for module in (linear, mlp):
+        monkeypatch.setattr(module, "decode_launch", lambda *args, **kwargs: pytest.fail("a tuned launch was asked"))
+    with LLM("tiny-qwen3", enable_tuned_gemms=False, device=device) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and ran

@@ -1,6 +1,6 @@
 """e12: the ablation. continuous x the configured backend with the engine's defaults (chunked prefill
 at its 8,192-token budget, CUDA graphs for decode steps and piecewise ones for the others, prefix caching,
-overlap, the fused layer kernels), then each turned off in turn:
+overlap, the fused layer kernels, the decode GEMMs' tuned launches), then each turned off in turn:
 its share of e8's throughput and of a lone request's ITL (the report divides each by the defaults').
 The lone request is also served by HF's fast path (the static cache, compiled on a GPU): the batch-1
 ITL peer, in the same run."""
@@ -15,7 +15,8 @@ pytestmark = pytest.mark.perf
 
 OFF = {"defaults": {}, "nochunks": dict(enable_chunked_prefill=False), "eager": dict(cudagraph_mode="NONE"),
        "nopiecewise": dict(cudagraph_mode="FULL_DECODE_ONLY"), "nocache": dict(enable_prefix_caching=False),
-       "nooverlap": dict(enable_overlap=False), "nofused": dict(enable_fused_layers=False)}
+       "nooverlap": dict(enable_overlap=False), "nofused": dict(enable_fused_layers=False),
+       "notuned": dict(enable_tuned_gemms=False)}
 
 
 @pytest.mark.parametrize("off", OFF)

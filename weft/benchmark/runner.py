@@ -103,7 +103,7 @@ class BenchConfig:
 
         parts = (("chunked prefill", off("enable_chunked_prefill")), (graphs, graphs is not None),
                  ("prefix cache", off("enable_prefix_caching")), ("overlap", off("enable_overlap")),
-                 ("fused layers", off("enable_fused_layers")))
+                 ("fused layers", off("enable_fused_layers")), ("tuned GEMMs", off("enable_tuned_gemms")))
         budget = self.options.get("max_num_batched_tokens", CHUNKED_BUDGET)
         budgeted = "" if budget == CHUNKED_BUDGET else f", budget {budget}"
         sampled = ", deterministic" if self.options.get("deterministic") else ""
@@ -118,6 +118,7 @@ class BenchConfig:
                 .replace(", no chunked prefill", "-nochunks").replace(", no CUDA graphs", "-eager")
                 .replace(", no piecewise graphs", "-nopiecewise").replace(", no decode graphs", "-nodecodegraphs")
                 .replace(", no overlap", "-nooverlap").replace(", no fused layers", "-nofused")
+                .replace(", no tuned GEMMs", "-notuned")
                 .replace(", budget ", "-budget").replace(", ", "-"))
 
 
@@ -205,6 +206,7 @@ class WeftDriver:
             "chunked_prefill": c.enable_chunked_prefill,
             "overlap": c.enable_overlap,
             "fused_layers": c.enable_fused_layers,
+            "tuned_gemms": c.enable_tuned_gemms,
             "deterministic": c.deterministic,
         }
 

@@ -49,6 +49,8 @@ class EngineConfig:
     cudagraph_mode: str = "FULL_AND_PIECEWISE"  # CUDA: which steps replay graphs (CUDAGRAPH_MODES, cuda_graphs.py)
     enable_overlap: bool | None = None  # plan and queue step k+1 while step k runs, then land k; None: on CUDA
     enable_fused_layers: bool = True  # CUDA: norms, RoPE (+ K/V store), SiLU x up as Triton kernels; else PyTorch's
+    # CUDA, with the fused layers: a decode's linear layers by the launches tuned for this GPU where they beat cuBLAS
+    enable_tuned_gemms: bool = True
     tensor_parallel_size: int = 1  # ranks that each hold a slice of the model (processes; GPUs on CUDA)
     max_logprobs: int = 20  # the most alternatives a request's logprobs or prompt_logprobs may ask for (vLLM's)
     # batch-invariant kernels: a request's tokens and logprobs the same bits whatever runs beside it (DETERMINISM)
@@ -76,7 +78,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
         set_(self, "gpu_memory_utilization", fraction)
         for name in ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching", "enable_overlap",
-                     "enable_fused_layers", "deterministic"):
+                     "enable_fused_layers", "enable_tuned_gemms", "deterministic"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (value is None and name in ("enable_prefix_caching",
                                                                                 "enable_overlap")):

@@ -104,7 +104,7 @@ def _load_slice(config: EngineConfig, source: ModelSource, tp: TensorParallel, d
                 ) -> LlamaForCausalLM:
     model = build_model(source.config, config.torch_dtype, device, tp)
     source.load_into(model)
-    model.use_kernels(config.enable_fused_layers)
+    model.use_kernels(config.enable_fused_layers, config.enable_tuned_gemms)
     model.use_batch_invariant(config.deterministic)
     linear.prepare(model, device, config.max_num_batched_tokens)
     return model

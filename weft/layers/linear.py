@@ -57,7 +57,7 @@ INVARIANT_ROWS = (16, 64, 128, 192, 256, 512, 1024, 2048, 4096, 8192)
 
 class Linear(nn.Linear):
     """nn.Linear; with `batch_invariant` set (EngineConfig.deterministic) `batch_invariant_linear`; else with
-    `kernels` set (EngineConfig.enable_fused_layers) a decode's few rows by the tuned launch where one beats cuBLAS."""
+    `kernels` set (EngineConfig.enable_tuned_gemms) a decode's few rows by the tuned launch where one beats cuBLAS."""
 
     batch_invariant = False
     kernels = True

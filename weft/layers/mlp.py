@@ -19,15 +19,15 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(E, 2 * intermediate, bias=bias)
         self.down_proj = RowParallelLinear(intermediate, E, bias, tp)
-        # fused.py's SiLU x up where it runs, or a decode's tuned gated launch (False: PyTorch's ops everywhere)
-        self.kernels = True
+        self.kernels = True  # fused.py's SiLU x up where it runs (False: PyTorch's ops)
         self.batch_invariant = False  # off the kernels, SiLU from exact.py (EngineConfig.deterministic)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T_total, E] -> [T_total, E]"""
         w = self.gate_up_proj.weight
-        if self.kernels and not self.batch_invariant and (launch := decode_launch(x.shape[0], w, gated=True)):
-            # a decode's few rows, SiLU x up in the launch's epilogue
+        tuned = self.gate_up_proj.kernels and not self.batch_invariant
+        if tuned and (launch := decode_launch(x.shape[0], w, gated=True)):
+            # a decode's few rows, SiLU x up in gate_up's tuned launch's epilogue
             return self.down_proj(decode_matmul(x.contiguous(), w, self.gate_up_proj.bias, launch, gated=True))
         gate_up = self.gate_up_proj(x)
         if self.kernels and fused.on_kernels(gate_up):

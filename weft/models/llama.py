@@ -141,13 +141,15 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T_total] -> hidden [T_total, E] (logits only where needed: `logits`)."""
         return self.model(input_ids, positions, attn, step)
 
-    def use_kernels(self, on: bool) -> None:
-        """Whether the layers run weft's Triton kernels where they can (CUDA: weft/layers/fused.py's, and tuned
-        launches for a decode's linear layers), or PyTorch's ops as HF's everywhere
-        (EngineConfig.enable_fused_layers)."""
+    def use_kernels(self, fused: bool, tuned: bool) -> None:
+        """Whether the layers run weft's Triton kernels where they can (CUDA: weft/layers/fused.py's), or PyTorch's
+        ops as HF's everywhere (EngineConfig.enable_fused_layers); and with them, whether a decode's linear layers
+        run their tuned launches where those beat cuBLAS (EngineConfig.enable_tuned_gemms)."""
         for module in self.modules():  # (not the experts: they have no PyTorch path fit to serve)
-            if isinstance(module, RMSNorm | SwiGLU | LlamaAttention | Linear):
-                module.kernels = on
+            if isinstance(module, RMSNorm | SwiGLU | LlamaAttention):
+                module.kernels = fused
+            elif isinstance(module, Linear):
+                module.kernels = fused and tuned
 
     def use_batch_invariant(self, on: bool) -> None:
         """Whether every linear layer runs weft.layers.linear's batch-invariant matmul, and the MLP's SiLU off the
