@@ -163,3 +163,48 @@ def test_grouped_finds_each_request_past_the_first_search_block(device, monkeypa
     q_lens = [1 + (b % 7 == 3) * (b % 20) for b in range(B)]  # decodes, and some short prefills among them
     case = make_case(4, 2, 32, 4, q_lens, [q + b % 5 for b, q in enumerate(q_lens)], torch.float32, device, B)
     assert_matches(run_grouped(case), reference(case, 32**-0.5))
+
+
+@pytest.mark.parametrize(("programs", "group", "sms", "block_m"), [
+    (64, 2, 132, prefill.SMALL_BLOCK_M),  # a lone prompt of 512 tokens, 8 KV heads: half the SMs or fewer
+    (66, 8, 132, prefill.SMALL_BLOCK_M),
+    (67, 2, 132, prefill.BLOCK_M),  # more than half
+    (8, 128, 132, prefill.BLOCK_M),  # 64 rows would not hold a token's 128 query heads
+    (1, 1, 0, prefill.BLOCK_M),  # Triton's interpreter
+])
+def test_a_small_grid_runs_programs_of_half_the_rows(programs, group, sms, block_m):
+    launch = prefill.prefill_launch(programs, group, sms)
+    assert launch.block_m == block_m
+    assert launch.num_warps == (prefill.SMALL_NUM_WARPS if block_m == prefill.SMALL_BLOCK_M else prefill.NUM_WARPS)
+
+
+H100_SHARED = 232448  # the shared memory a block may have on an H100 or H200 (bytes)
+
+
+@pytest.mark.parametrize(("block_m", "block_n", "D_PAD", "element_size", "shared", "stages"), [
+    (128, 128, 128, 2, H100_SHARED, prefill.DEEP_STAGES),  # Qwen3's heads in bf16: 224 KiB of tiles
+    (64, 128, 128, 2, H100_SHARED, prefill.DEEP_STAGES),
+    (128, 64, 256, 2, H100_SHARED, prefill.NUM_STAGES),  # heads of 256: 256 KiB would not fit
+    (128, 64, 128, 4, H100_SHARED, prefill.NUM_STAGES),  # float32
+    (128, 128, 128, 2, 166912, prefill.NUM_STAGES),  # an A100's 163 KiB
+    (128, 128, 128, 2, 0, prefill.NUM_STAGES),  # Triton's interpreter
+])
+def test_16_bit_tiles_pipeline_deeper_where_they_fit(block_m, block_n, D_PAD, element_size, shared, stages):
+    assert prefill.pipeline_stages(block_m, block_n, D_PAD, element_size, shared) == stages
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu)])
+def test_a_small_grids_programs_of_half_the_rows_match_the_reference(device, dtype, monkeypatch):
+    """The launch of a lone short prompt, SMALL_BLOCK_M rows per program (here forced: as if the GPU had SMs to
+    spare), over a cached prefix and on its own, beside a decode: the reference's outputs."""
+    launches = []
+
+    def spy(programs, group, sms):
+        launches.append(launch := prefill.PrefillLaunch(prefill.SMALL_BLOCK_M, prefill.SMALL_NUM_WARPS))
+        return launch
+
+    monkeypatch.setattr(prefill, "prefill_launch", spy)
+    for group, D in ((2, 64), (4, 128)):
+        case = make_case(group * 2, 2, D, 16, [1, 90, 40], [70, 200, 40], dtype, device, group + D)
+        assert_matches(run_prefill(case), reference(case, D**-0.5))
+    assert launches

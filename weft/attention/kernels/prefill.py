@@ -14,6 +14,9 @@ KV head's group of query heads in a program's rows: the batch-invariant path.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -23,10 +26,16 @@ from weft.attention.kernels.decode import SHALLOW_TILES
 from weft.attention.kernels.tiles import LOG2E, MIN_DOT, lanes, padded_head_dim, softmax_step, token_offsets
 
 BLOCK_M = 128  # query rows per program: BLOCK_M // GROUP new tokens x GROUP query heads
+NUM_WARPS = 8
+# A grid of BLOCK_M-row programs that would fill at most half the SMs (a lone prompt of a few hundred tokens) runs
+# programs of half the rows in half the warps instead, twice as many (results/logs/h100_prefill_launch_bd50157.log)
+SMALL_BLOCK_M, SMALL_NUM_WARPS = BLOCK_M // 2, NUM_WARPS // 2
 # One K (or V) tile: 128 tokens of D = 128 in bf16, the sweep's fastest (results/logs/h200_kernel_sweep.txt).
 KV_TILE_BYTES = 128 * 128 * 2
-NUM_WARPS = 8
-NUM_STAGES = 2
+# 16-bit tiles pipeline DEEP_STAGES deep where the query tile and that many K and V tiles fit a block's shared
+# memory, else NUM_STAGES (float32 stays at NUM_STAGES: not measured deeper)
+NUM_STAGES, DEEP_STAGES = 2, 3
+SHARED_SLACK = 1024  # shared memory Triton's launch takes beyond the tiles (a few hundred bytes measured)
 SEARCH = 256  # requests whose first tiles a grouped program compares at once
 
 
@@ -219,17 +228,57 @@ def prefill_attention(
     _, P, H_kv, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride()
     group = H_q // H_kv
-    num_m_tiles = triton.cdiv(max_query_len, BLOCK_M // group)
+    requests = context_lens.shape[0] - first_request
     D_PAD = padded_head_dim(D)
     block_n = kv_tile_tokens(D_PAD, q.element_size())
-    _prefill_kernel[(num_m_tiles, context_lens.shape[0] - first_request, H_kv)](
+    sms, shared = gpu_limits(q.device)
+    launch = prefill_launch(triton.cdiv(max_query_len, BLOCK_M // group) * requests * H_kv, group, sms)
+    stages = pipeline_stages(launch.block_m, block_n, D_PAD, q.element_size(), shared)
+    num_m_tiles = triton.cdiv(max_query_len, launch.block_m // group)
+    _prefill_kernel[(num_m_tiles, requests, H_kv)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
         counts if counts is not None else context_lens, scale * LOG2E, first_request, num_m_tiles,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
-        GROUP=group, D=D, D_PAD=D_PAD, P=P, BLOCK_M=BLOCK_M, BLOCK_N=block_n, WINDOW=window or 0,
-        COUNTED=counts is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        GROUP=group, D=D, D_PAD=D_PAD, P=P, BLOCK_M=launch.block_m, BLOCK_N=block_n, WINDOW=window or 0,
+        COUNTED=counts is not None, num_warps=launch.num_warps, num_stages=stages,
     )
     return out
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    block_m: int  # query rows per program
+    num_warps: int
+
+
+def prefill_launch(programs: int, group: int, sms: int) -> PrefillLaunch:
+    """The launch for a step whose grid of BLOCK_M-row programs has `programs` (KV heads of `group` query heads) on
+    a GPU of `sms` SMs: SMALL_BLOCK_M rows where those would fill at most half the SMs and a program still holds a
+    token's whole group; else BLOCK_M. A row's sums do not depend on its tile's rows (`_attend_tile`)."""
+    if 2 * programs <= sms and group <= SMALL_BLOCK_M:
+        return PrefillLaunch(SMALL_BLOCK_M, SMALL_NUM_WARPS)
+    return PrefillLaunch(BLOCK_M, NUM_WARPS)
+
+
+def pipeline_stages(block_m: int, block_n: int, D_PAD: int, element_size: int, shared: int) -> int:
+    """How deep the K/V tiles pipeline: DEEP_STAGES for 16-bit tiles where the query tile [block_m, D_PAD] and that
+    many K and V tiles [block_n, D_PAD] fit `shared` bytes, else NUM_STAGES."""
+    tiles = (block_m + 2 * DEEP_STAGES * block_n) * D_PAD * element_size
+    return DEEP_STAGES if element_size == 2 and tiles + SHARED_SLACK <= shared else NUM_STAGES
+
+
+@functools.cache
+def _cuda_limits(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.shared_memory_per_block_optin
+
+
+def gpu_limits(device: torch.device) -> tuple[int, int]:
+    """(SMs, shared memory bytes a block may have) of `device`; on the CPU, under Triton's interpreter, (0, 0): no
+    program runs beside another, and no pipeline stage is allocated."""
+    if device.type != "cuda":
+        return 0, 0
+    return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def grouped_attention(
