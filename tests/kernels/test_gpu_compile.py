@@ -27,7 +27,8 @@ def kernels() -> list[tuple[object, dict[str, object]]]:
     """(kernel, its constexprs, its warps and stages) as weft.layers.moe launches them for the Qwen3-30B-A3B shape (E
     2048, 128 experts, top 8), the attention kernels counted, for Qwen3-0.6B's heads (16 and 8 of 128), and the
     linear layers' matmul: whole K in a loop per chunk with the widest tile in steps of 64 (its operands read by
-    pointers and by tensor descriptors), split, and split with RoPE after it (heads of 128)."""
+    pointers and by tensor descriptors), split, and split with RoPE after it (heads of 128); the prefill's small
+    grids' launch too (64 rows, 16-bit tiles three stages deep)."""
     from weft.attention.kernels import decode, prefill
     from weft.layers import linear, moe
 
@@ -62,6 +63,8 @@ def kernels() -> list[tuple[object, dict[str, object]]]:
         (moe._group_kernel, dict(grouping, BLOCK_M=64, COUNTED=True)),
         (decode._split_kernel, split),
         (prefill._prefill_kernel, counted_prefill),
+        (prefill._prefill_kernel, dict(counted_prefill, BLOCK_M=prefill.SMALL_BLOCK_M, BLOCK_N=128,
+                                       num_warps=prefill.SMALL_NUM_WARPS, num_stages=prefill.DEEP_STAGES)),
     ]
 
 
