@@ -21,14 +21,15 @@ POINTERS = {"ids_ptr": "*i64", "pairs_ptr": "*i64", "block_expert_ptr": "*i64", 
             "shared_o_ptr": "*fp32", "shared_lse_ptr": "*fp32", "partials_ptr": "*fp32",
             "slots_ptr": "*i64"}  # every other pointer: bf16
 SCALARS = {"scale_log2": "fp32", "eps": "fp32"}  # every other scalar: i32
+H100_SHARED = 232448  # the shared memory a block may have on an H100 or H200 (bytes): what a launch must fit
 
 
 def kernels() -> list[tuple[object, dict[str, object]]]:
     """(kernel, its constexprs, its warps and stages) as weft.layers.moe launches them for the Qwen3-30B-A3B shape (E
     2048, 128 experts, top 8), the attention kernels counted, for Qwen3-0.6B's heads (16 and 8 of 128), and the
     linear layers' matmul: whole K in a loop per chunk with the widest tile in steps of 64 (its operands read by
-    pointers and by tensor descriptors), split, and split with RoPE after it (heads of 128); the prefill's small
-    grids' launch too (64 rows, 16-bit tiles three stages deep)."""
+    pointers and by tensor descriptors), split, and split with RoPE after it (heads of 128); the prefill's launches
+    with 16-bit tiles three stages deep, of 128 rows and of a small grid's 64."""
     from weft.attention.kernels import decode, prefill
     from weft.layers import linear, moe
 
@@ -63,8 +64,10 @@ def kernels() -> list[tuple[object, dict[str, object]]]:
         (moe._group_kernel, dict(grouping, BLOCK_M=64, COUNTED=True)),
         (decode._split_kernel, split),
         (prefill._prefill_kernel, counted_prefill),
-        (prefill._prefill_kernel, dict(counted_prefill, BLOCK_M=prefill.SMALL_BLOCK_M, BLOCK_N=128,
-                                       num_warps=prefill.SMALL_NUM_WARPS, num_stages=prefill.DEEP_STAGES)),
+        *((prefill._prefill_kernel, dict(counted_prefill, BLOCK_M=block_m, BLOCK_N=128, num_warps=warps,
+                                         num_stages=prefill.DEEP_STAGES))
+          for block_m, warps in ((prefill.BLOCK_M, prefill.NUM_WARPS),
+                                 (prefill.SMALL_BLOCK_M, prefill.SMALL_NUM_WARPS))),
     ]
 
 
@@ -82,6 +85,7 @@ def compile_all() -> None:
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants),
                                   target=GPUTarget("cuda", 90, 32), options=dict(enable_fp_fusion=False, **options))
         assert compiled.asm.get("cubin"), kernel.fn.__name__
+        assert compiled.metadata.shared <= H100_SHARED, (kernel.fn.__name__, compiled.metadata.shared)
         print(kernel.fn.__name__, constants, "compiled")
 
 

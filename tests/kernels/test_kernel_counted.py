@@ -20,8 +20,16 @@ def stale(x: torch.Tensor, rows: int, fill: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize(("decodes", "num_splits"), [(3, 1), (3, 2), (0, 2)])
-def test_a_graphs_bounds_compute_only_the_counted_requests(device, dtype, decodes, num_splits):
+@pytest.mark.parametrize(("decodes", "num_splits", "sms"), [(3, 1, None), (3, 2, None), (0, 2, None), (3, 1, 10)])
+def test_a_graphs_bounds_compute_only_the_counted_requests(device, dtype, decodes, num_splits, sms, monkeypatch):
+    """sms=10: the step's own prefill grid (4 programs of 128 rows) takes the small grids' 64-row programs, the
+    graph's bounds (8) the 128-row ones: a row's bits are its own whatever its tile."""
+    from weft.attention.kernels import prefill
+
+    launches, choose = [], prefill.prefill_launch
+    if sms is not None:
+        monkeypatch.setattr(prefill, "gpu_limits", lambda device: (sms, 232448))
+        monkeypatch.setattr(prefill, "prefill_launch", lambda *args: launches.append(choose(*args)) or launches[-1])
     H_q, H_kv, D, P = 4, 2, 64, 8
     prefills = [(20, 20), (7, 40)]  # (new tokens, context)
     q_lens = [1] * decodes + [t for t, _ in prefills]
@@ -55,6 +63,7 @@ def test_a_graphs_bounds_compute_only_the_counted_requests(device, dtype, decode
                       counts=counts)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert not got[:T].isnan().any() and got[T:].isnan().all()
+    assert sms is None or [launch.block_m for launch in launches] == [prefill.SMALL_BLOCK_M, prefill.BLOCK_M]
 
 
 def test_a_graphs_steps_take_their_own_split_counts_within_its_grid(monkeypatch):

@@ -15,6 +15,7 @@ from tests.kernels.paged_case import (
     recorded_accesses,
     reference,
 )
+from tests.kernels.test_gpu_compile import H100_SHARED
 from weft.attention.kernels import grouped_attention, prefill, prefill_attention
 from weft.attention.kernels.prefill import KV_TILE_BYTES, kv_tile_tokens
 from weft.attention.kernels.tiles import padded_head_dim
@@ -176,9 +177,6 @@ def test_a_small_grid_runs_programs_of_half_the_rows(programs, group, sms, block
     launch = prefill.prefill_launch(programs, group, sms)
     assert launch.block_m == block_m
     assert launch.num_warps == (prefill.SMALL_NUM_WARPS if block_m == prefill.SMALL_BLOCK_M else prefill.NUM_WARPS)
-
-
-H100_SHARED = 232448  # the shared memory a block may have on an H100 or H200 (bytes)
 
 
 @pytest.mark.parametrize(("block_m", "block_n", "D_PAD", "element_size", "shared", "stages"), [

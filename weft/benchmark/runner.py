@@ -206,7 +206,7 @@ class WeftDriver:
             "chunked_prefill": c.enable_chunked_prefill,
             "overlap": c.enable_overlap,
             "fused_layers": c.enable_fused_layers,
-            "tuned_gemms": c.enable_tuned_gemms,
+            "tuned_gemms": c.enable_fused_layers and c.enable_tuned_gemms,  # (they act with the fused layers)
             "deterministic": c.deterministic,
         }
 
