@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.kernels.paged_case import make_case
+from tests.kernels.test_gpu_compile import H100_SHARED
 from weft.attention.kernels import DecodeSplits, decode_attention, prefill_attention
 
 pytestmark = pytest.mark.kernels
@@ -28,7 +29,7 @@ def test_a_graphs_bounds_compute_only_the_counted_requests(device, dtype, decode
 
     launches, choose = [], prefill.prefill_launch
     if sms is not None:
-        monkeypatch.setattr(prefill, "gpu_limits", lambda device: (sms, 232448))
+        monkeypatch.setattr(prefill, "gpu_limits", lambda device: (sms, H100_SHARED))
         monkeypatch.setattr(prefill, "prefill_launch", lambda *args: launches.append(choose(*args)) or launches[-1])
     H_q, H_kv, D, P = 4, 2, 64, 8
     prefills = [(20, 20), (7, 40)]  # (new tokens, context)
