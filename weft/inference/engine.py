@@ -347,14 +347,15 @@ class LLMEngine:
         """Free the model, the pool and the CUDA graphs; the engine refuses work from here on."""
         if self.runner is None:
             return
-        # the engine's objects may be freed now, cycles too (the process's others, another engine's among them, are
-        # walked again until something freezes them)
+        # the engine's objects, frozen with the heap it was built on, may be freed now, cycles too
         gc.unfreeze()
         self.abort_request(list(self.requests))
         self.ranks.stop(self.runner)
         self.in_flight.clear()
         self.runner = None
-        gc.collect()
+        # one full collection frees them; what is left is frozen again, so that the next engine's build (a test
+        # suite's hundreds) walks only what came after, not the whole heap a second time
+        freeze_heap()
         if self.config.device.type == "cuda":
             torch.cuda.empty_cache()
 
