@@ -18,7 +18,7 @@ import pytest
 from tests.serve.servers import child_env, free_port, live, weft_server
 from weft.benchmark import peer, workloads
 from weft.benchmark.environment import device_name, git_sha
-from weft.benchmark.runner import BenchConfig, engine_options
+from weft.benchmark.runner import BenchConfig, engine_options, warmup
 from weft.benchmark.serving import run
 from weft.cli import engine_flags
 
@@ -89,7 +89,7 @@ def e9_server(e9_config, sizes, e9_standard, e9_curve, device):
     options = engine_options(e9_config, w) | dict(max_model_len=max(w.max_len, e9_curve.max_len))
     flags = [*engine_flags(options), "--dtype", sizes.dtype, "--device", device.type, "--served-model-name", "e9"]
     with weft_server(sizes.model, *flags) as url:
-        asyncio.run(run(url, "e9", w.warmup(2).requests))  # warm-up: compiles kernels, as offline's does
+        asyncio.run(run(url, "e9", warmup(e9_config, w).requests))  # the warm-up offline's engine gets
         yield e9_config, url
 
 
@@ -107,17 +107,20 @@ def test_e9_weft_curve(benchmark, keep_so_far, sizes, e9_curve, e9_server, e9_ra
 
 # ---- the peer -----------------------------------------------------------------------------------------
 
+PEER = BenchConfig(engine="hf_generate_batch")  # what `transformers serve` batches with
+
 
 @pytest.fixture(scope="module")
 def e9_peer(tmp_path_factory, sizes, e9_curve, device):
-    """`transformers serve` on the model's weights (weft.benchmark.peer), warmed up like weft's."""
+    """`transformers serve` on the model's weights (weft.benchmark.peer), warmed up as HF's dynamic peers are
+    (`warmup`: a few tokens a request; its timed runs take minutes)."""
     from weft.inference.config import DTYPES
 
     checkpoint = peer.write_checkpoint(sizes.model, DTYPES[sizes.dtype], tmp_path_factory.mktemp("peer"))
     port = free_port()
     proc = peer.start_server(checkpoint, port, device.type, sizes.dtype, sizes.hf_cb_config, env=child_env())
     with live(proc, port) as url:
-        asyncio.run(run(url, str(checkpoint), e9_curve.warmup(2).requests, prompt_format="words"))
+        asyncio.run(run(url, str(checkpoint), warmup(PEER, e9_curve).requests, prompt_format="words"))
         yield str(checkpoint), url
 
 
