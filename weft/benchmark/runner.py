@@ -236,12 +236,13 @@ WARMUP_TOKENS = 2  # a warm-up request's new tokens where a short warm-up serves
 def warmup(config: BenchConfig, workload: Workload) -> Workload:
     """What a driver serves before `workload` is timed: its prompts (`Workload.warmup`: the ids moved), whole. A
     warm-up of a few tokens a request builds other batches than the timed run's (its requests leave before the
-    prompts are all in; on a ticks stream each is held two steps, never beside the timed run's 60-odd decodes), and
-    what those batches first meet would be met while timed (e11's cached burst, warmed with two tokens a request:
-    its first timed run's TTFT p50 40% above every later run's, results/logs/h100_e11_warmup_8740c3a.log). HF's
-    static cache is sized to a batch's prompts and max_new_tokens, and generate compiles its forward for that size.
-    HF's dynamic peers (generate and generate_batch) alone warm up on WARMUP_TOKENS a request, but for a ticks
-    stream: their timed runs take minutes, and what a first step meets is lost in them."""
+    prompts are all in; on a ticks stream each is held two steps, never beside the timed run's 60-odd decodes),
+    and what those batches first meet would be met while timed (e11's cached burst on H100s: TTFT p50 122-131 ms
+    in five runs warmed with two tokens a request, 87 ms in two warmed whole:
+    results/logs/h100_e11_warmup_8740c3a.log). HF's static cache is sized to a batch's prompts and max_new_tokens,
+    and generate compiles its forward for that size. HF's dynamic peers (generate and generate_batch) alone warm
+    up on WARMUP_TOKENS a request, but for a ticks stream: their timed runs take minutes, and what a first step
+    meets is lost in them."""
     ticks_stream = workload.clock == "ticks" and not workload.offline
     short = config.engine in ("hf_generate", "hf_generate_batch") and not ticks_stream
     return workload.warmup(WARMUP_TOKENS if short else max(r.max_tokens for r in workload.requests))
