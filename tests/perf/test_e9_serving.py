@@ -89,7 +89,7 @@ def e9_server(e9_config, sizes, e9_standard, e9_curve, device):
     options = engine_options(e9_config, w) | dict(max_model_len=max(w.max_len, e9_curve.max_len))
     flags = [*engine_flags(options), "--dtype", sizes.dtype, "--device", device.type, "--served-model-name", "e9"]
     with weft_server(sizes.model, *flags) as url:
-        asyncio.run(run(url, "e9", warmup(e9_config, w).requests))  # the warm-up offline's engine gets
+        asyncio.run(run(url, "e9", warmup(e9_config, w).requests))  # offline's warm-up (not the curve's: its span)
         yield e9_config, url
 
 

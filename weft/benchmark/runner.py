@@ -240,9 +240,10 @@ def warmup(config: BenchConfig, workload: Workload) -> Workload:
     and what those batches first meet would be met while timed (e11's cached burst on H100s: TTFT p50 122-131 ms
     in five runs warmed with two tokens a request, 87 ms in two warmed whole:
     results/logs/h100_e11_warmup_8740c3a.log). HF's static cache is sized to a batch's prompts and max_new_tokens,
-    and generate compiles its forward for that size. HF's dynamic peers (generate and generate_batch) alone warm
-    up on WARMUP_TOKENS a request, but for a ticks stream: their timed runs take minutes, and what a first step
-    meets is lost in them."""
+    and generate compiles its forward for that size. A whole warm-up costs what the timed run costs (a stream in
+    seconds: its arrivals' span again). HF's dynamic peers (generate and generate_batch) alone warm up on
+    WARMUP_TOKENS a request, but for a ticks stream: their timed runs take minutes, and what a first step meets is
+    lost in them."""
     ticks_stream = workload.clock == "ticks" and not workload.offline
     short = config.engine in ("hf_generate", "hf_generate_batch") and not ticks_stream
     return workload.warmup(WARMUP_TOKENS if short else max(r.max_tokens for r in workload.requests))

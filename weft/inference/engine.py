@@ -344,7 +344,9 @@ class LLMEngine:
     # ---- lifetime -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the model, the pool and the CUDA graphs; the engine refuses work from here on."""
+        """Free the model, the pool, the CUDA graphs and the grammars; the engine refuses work from here on. What the
+        process holds then stays frozen, as the engine's build froze it: a reference cycle among those objects that
+        becomes garbage later is freed at the next engine's close (or at exit)."""
         if self.runner is None:
             return
         # the engine's objects, frozen with the heap it was built on, may be freed now, cycles too
@@ -353,6 +355,7 @@ class LLMEngine:
         self.ranks.stop(self.runner)
         self.in_flight.clear()
         self.runner = None
+        self.grammars = None  # its compiled grammars' cache is a cycle
         # one full collection frees them; what is left is frozen again, so that the next engine's build (a test
         # suite's hundreds) walks only what came after, not the whole heap a second time
         freeze_heap()
