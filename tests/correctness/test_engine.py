@@ -134,9 +134,9 @@ class Cycle:
 
 
 def test_an_engine_freezes_the_heap_it_was_built_on_and_frees_its_own_when_closed():
-    """Built, the engine freezes what the process holds (a full collection then walks only what came after);
-    closed, it unfreezes it, what it held is freed, its model and its grammars (a cycle, as a compiled grammars'
-    cache is) kept past the run, though in reference cycles, and the rest is frozen again."""
+    """Built, the engine freezes what the process holds (a full collection then walks only what came after).
+    Closed, it frees what it held, though in reference cycles: here its model, and its grammars (a compiler's cache
+    is a cycle); the rest of the heap is frozen again."""
     gc.unfreeze()
     with LLM("tiny-llama", num_blocks=8, block_size=4, device="cpu") as llm:
         assert gc.get_freeze_count() > 10_000  # the modules (torch's, weft's) and the model
