@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from weft.attention.padded import attend_invariant
-from weft.benchmark.tune_gemm import layer_shapes
+from weft.benchmark.tune_gemm import invariant_orders, layer_shapes
 from weft.layers.fused import rotary_store, silu_and_mul
 from weft.layers.linear import (
     BLOCK_K,
@@ -160,6 +160,21 @@ def test_the_plan_depends_on_n_and_k_alone_and_splits_only_where_a_tile_is_short
     assert launch_for(1, 1024, 2048, torch.float32) == (FLOAT32_TILES, True)
 
 
+def test_every_order_the_tuner_tries_keeps_each_rows_bits(device):
+    """Each count of chunks the tuner may choose for a GPU (`invariant_orders`: K whole, several counts, the rule of
+    thumb's) gives the product, and each row the same bits whole, split and alone."""
+    N, K = 96, 1000
+    x, w, _ = operands(N, K, torch.float32, device, False, M=40)
+    want = F.linear(x.double(), w.double())
+    orders = invariant_orders(N, K)
+    assert [p.splits for p in orders] == [1, 2, 3, 4] and plan(N, K) in orders
+    for p in orders:
+        full = matmul_kernel(x, w, None, False, FLOAT32_TILES, p)
+        assert ((full.double() - want) / want.abs().amax(-1, keepdim=True)).abs().max() <= TOL[torch.float32]
+        assert torch.equal(matmul_kernel(x[3:10].contiguous(), w, None, True, FLOAT32_TILES, p), full[3:10])
+        assert torch.equal(matmul_kernel(x[7:8].contiguous(), w, None, False, FLOAT32_TILES, p), full[7:8])
+
+
 def test_prepare_compiles_the_launches_each_row_count_makes():
     """launch_variants (what prepare compiles at start): the rule of thumb's few launches for an untuned GPU, and
     on a tuned one the table's launch for each row count it tuned that the rows reach."""
@@ -169,7 +184,8 @@ def test_prepare_compiles_the_launches_each_row_count_makes():
                                                            (PREFILL_TILES, False)}
     assert launch_variants(N, K, torch.float32, 8192) == {(FLOAT32_TILES, True), (FLOAT32_TILES, False)}
     for gpu in json.loads(TUNED.read_text()):
-        for (N, K), by_rows in tuned(gpu, torch.bfloat16).invariant.items():
+        for (N, K), entry in tuned(gpu, torch.bfloat16).invariant.items():
+            by_rows = entry.rows
             assert launch_variants(N, K, torch.bfloat16, 100, gpu) == {by_rows[r] for r in (16, 64, 128)}
             if max(by_rows) == INVARIANT_ROWS[-1]:  # (the LM head's stop at max_num_seqs)
                 assert launch_variants(N, K, torch.bfloat16, INVARIANT_ROWS[-1], gpu) == set(by_rows.values())
@@ -177,12 +193,16 @@ def test_prepare_compiles_the_launches_each_row_count_makes():
 
 def test_a_row_count_the_table_lacks_takes_the_next_tuned_one_above(monkeypatch):
     """A table tuned before a row count joined INVARIANT_ROWS (or with some left out) serves those rows with the
-    launch of the least tuned count that holds them, and rows past its last with the rule of thumb."""
+    launch of the least tuned count that holds them, and rows past its last with the rule of thumb's tiles, in the
+    table's chunks: every row count of the GPU sums in one order."""
     from weft.layers import linear
 
     wide, narrow = Tiles(128, 128, 8, 4, 64, tma=True), Tiles(64, 64, 4, 3)
-    table = linear.TunedLaunches({}, {}, {(1024, 2048): {128: (narrow, True), 256: (wide, False)}})
+    entry = linear.InvariantLaunches(2, {128: (narrow, True), 256: (wide, False)})
+    table = linear.TunedLaunches({}, {}, {(1024, 2048): entry})
     monkeypatch.setattr(linear, "tuned", lambda gpu, dtype: table)
+    assert plan(1024, 2048, torch.bfloat16, "a GPU") == chunks(2048, BLOCK_K, 2) != plan(1024, 2048)
+    assert plan(1024, 3072, torch.bfloat16, "a GPU") == plan(1024, 3072)  # a shape the table lacks
     assert launch_for(100, 1024, 2048, torch.bfloat16, "a GPU") == (narrow, True)
     assert launch_for(150, 1024, 2048, torch.bfloat16, "a GPU") == launch_for(256, 1024, 2048, torch.bfloat16,
                                                                                 "a GPU") == (wide, False)
@@ -394,25 +414,26 @@ def test_the_tuned_table_names_real_layers_and_reads_back_what_the_tuner_writes(
             assert table.decode.keys() | table.gated.keys() | table.invariant.keys() <= shapes
             for launch in [*table.decode.values(), *table.gated.values()]:
                 assert 1 <= launch.max_rows <= DECODE_ROWS and launch.tiles.block_m == DECODE_ROWS
-            for (N, K), by_rows in table.invariant.items():
-                assert set(by_rows) <= set(INVARIANT_ROWS)
-                for rows, (tiles, split) in by_rows.items():
+            for (N, K), entry in table.invariant.items():
+                assert set(entry.rows) <= set(INVARIANT_ROWS)
+                assert plan(N, K, getattr(torch, dtype), gpu) in invariant_orders(N, K)
+                for rows, (tiles, split) in entry.rows.items():
                     assert tiles.block_m % 64 == 0 or tiles.block_m == DECODE_ROWS == rows
                     assert launch_for(rows, N, K, getattr(torch, dtype), gpu) == (tiles, split)
 
 
 @pytest.mark.gpu
 def test_every_tuned_invariant_launch_keeps_the_bits(device):
-    """The batch-invariant table's launches on this GPU give the rule of thumb's bits (random operands, each tuned
-    row count), so that deterministic=True's promise holds with them."""
+    """The batch-invariant table's launches on this GPU give the bits of the small tiles' whole launch in the table's
+    chunks (random operands, each tuned row count), so that deterministic=True's promise holds with them."""
     from weft.layers.linear import _gpu_name
 
     table = tuned(_gpu_name(device.index), torch.bfloat16).invariant
     if not table:
         pytest.skip(f"no tuned launches for {_gpu_name(device.index)}")
-    for (N, K), by_rows in table.items():
+    for (N, K), entry in table.items():
         w = (torch.randn(N, K, device=device) / K**0.5).to(torch.bfloat16)
-        for rows, (tiles, split) in by_rows.items():
+        for rows, (tiles, split) in entry.rows.items():
             x = torch.randn(rows, K, device=device).to(torch.bfloat16)
             want = matmul_kernel(x, w, None, False, DECODE_TILES)
             assert torch.equal(matmul_kernel(x, w, None, split, tiles), want), (N, K, rows, tiles, split)

@@ -9,14 +9,16 @@ Timings are GPU time alone, replayed from a CUDA graph over copies of the weight
 decode step's layers each read their own weights from memory). --write puts the table in TUNED under this GPU's
 name, the dtype and its section; the printed lines are the log to keep beside it.
 
-With --invariant it tunes the batch-invariant kernel instead (EngineConfig.deterministic): at each of INVARIANT_ROWS,
-the fastest of INVARIANT_TILES, whole or split, whatever cuBLAS does (printed beside it).
+With --invariant it tunes the batch-invariant kernel instead (EngineConfig.deterministic): for each weight shape the
+count of chunks K is summed in, and at each of INVARIANT_ROWS the fastest of INVARIANT_TILES, whole or split, whatever
+cuBLAS does (printed beside it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from dataclasses import asdict
 
 import torch
@@ -28,16 +30,18 @@ from weft.config import ModelConfig
 from weft.inference.config import DTYPES
 from weft.layers.fused import silu_and_mul
 from weft.layers.linear import (
+    BLOCK_K,
     DECODE_ROWS,
     DECODE_TILES,
     INVARIANT_ROWS,
     TUNED,
     DecodeLaunch,
+    MatmulPlan,
     Tiles,
     chunks,
     decode_matmul,
     matmul_kernel,
-    plan,
+    rule_of_thumb,
 )
 from weft.models.loader import resolve_model
 
@@ -68,6 +72,9 @@ INVARIANT_TILES = [
                                     (128, 128, 8, 4, 64), (128, 256, 8, 3, 64), (128, 256, 8, 4, 64))),
     *(Tiles(DECODE_ROWS, n, 4, 4) for n in (32, 64, 128)),
 ]
+# the batch-invariant kernel's counts of chunks: more lost at every row count on Qwen3-0.6B's and 4B's shapes
+# (results/logs/h100_invariant_plans_ddd.log)
+INVARIANT_SPLITS = (1, 2, 3, 4, 6, 8)
 SPLIT_ROWS = 256  # past these rows a split's float32 partials cost more than its programs gain: not tried
 LOGIT_ROWS = 256  # EngineConfig.max_num_seqs's default: the most rows the LM head computes
 ROTATION_BYTES = 256 << 20  # weight bytes cycled through per timing: several times the H200's L2
@@ -98,9 +105,9 @@ class Shape:
         x = self.x[:M]
         return graph_seconds([lambda w=w: decode_matmul(x, w, None, launch, gated) for w in self.weights], rounds)
 
-    def invariant_s(self, tiles: Tiles, split: bool, M: int) -> float:
+    def invariant_s(self, tiles: Tiles, split: bool, M: int, order: MatmulPlan) -> float:
         x = self.x[:M]
-        return graph_seconds([lambda w=w: matmul_kernel(x, w, None, split, tiles) for w in self.weights])
+        return graph_seconds([lambda w=w: matmul_kernel(x, w, None, split, tiles, order) for w in self.weights])
 
     def cublas_s(self, M: int, rounds: int = 5, gated: bool = False) -> float:
         """cuBLAS's product (gated: then weft.layers.fused's SiLU x up)."""
@@ -152,43 +159,71 @@ def tune(N: int, K: int, dtype: torch.dtype, copy_gbps: float, gated: bool = Fal
     return DecodeLaunch(best.tiles, best.splits, max_rows) if max_rows else None
 
 
-def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict[str, dict]:
-    """The batch-invariant kernel's fastest launch for (N, K) at each of INVARIANT_ROWS up to `most_rows`: of
-    INVARIANT_TILES, each whole and split into the plan's chunks, only those whose bits are the rule of thumb's
-    small tiles' (any tile of either step should give them on the GPU: one that did not would be reported and left
-    out)."""
+def invariant_orders(N: int, K: int) -> list[MatmulPlan]:
+    """The chunks of K the tuner tries for an [N, K] weight, fewest first: K whole, in each count of INVARIANT_SPLITS
+    whose chunks hold two BLOCK_K steps or more, and in `rule_of_thumb`'s."""
+    steps = -(-K // BLOCK_K)
+    orders = {chunks(K, BLOCK_K, want) for want in INVARIANT_SPLITS if want == 1 or want <= steps // 2}
+    return sorted(orders | {rule_of_thumb(N, K)}, key=lambda p: p.splits)
+
+
+def fastest_invariant(shape: Shape, order: MatmulPlan, M: int) -> tuple[float, Tiles, bool]:
+    """The fastest of INVARIANT_TILES, each whole and split into `order`'s chunks, at M rows of `shape`'s weight:
+    only those whose bits are the small tiles' whole launch's (any tile of either step should give them on the GPU:
+    one that did not would be reported and left out)."""
+    x, w = shape.x[:M], shape.weights[0]
+    want = matmul_kernel(x, w, None, False, DECODE_TILES, order)
+    timed = []
+    for tiles in INVARIANT_TILES:
+        if tiles.block_m == DECODE_ROWS < M:
+            continue  # a decode's row tile, for more rows than a decode's
+        for split in (False, True) if order.splits > 1 and M <= SPLIT_ROWS else (False,):
+            try:
+                same = torch.equal(matmul_kernel(x, w, None, split, tiles, order), want)
+            except OutOfResources:
+                continue
+            if not same:
+                print(f"  {shape.N}x{shape.K} M={M} splits={order.splits} {tiles} split={split}: NOT the same bits, "
+                      "left out", flush=True)
+                continue
+            timed.append((shape.invariant_s(tiles, split, M, order), tiles, split))
+    if not timed:
+        raise RuntimeError(f"{shape.N}x{shape.K} M={M}: no candidate fits the GPU and keeps the bits")
+    return min(timed, key=lambda t: t[0])
+
+
+def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict:
+    """The batch-invariant kernel's chunks of K for an [N, K] weight and its fastest launch at each of INVARIANT_ROWS
+    up to `most_rows`. Of `invariant_orders`, the one kept is the one whose fastest launches take the least time
+    relative to the fastest of any at each row count (the mean of those ratios: a decode's few rows and a prefill's
+    many weigh alike). A table entry: {"splits": .., "rows": {rows: tiles and split}}."""
     rows = [r for r in INVARIANT_ROWS if r <= most_rows]
     shape = Shape(N, K, dtype, rows[-1])
+    orders = invariant_orders(N, K)
+    best = {p: {} for p in orders}
+    for M in rows:
+        for p in orders:
+            best[p][M] = fastest_invariant(shape, p, M)
+        print(f"  {N}x{K} M={M}: " + " | ".join(
+            f"splits={p.splits} {best[p][M][0] * 1e6:.1f} us" for p in orders), flush=True)
+    least = {M: min(best[p][M][0] for p in orders) for M in rows}
+    cost = {p: statistics.mean(best[p][M][0] / least[M] for M in rows) for p in orders}
+    chosen = min(orders, key=cost.__getitem__)
+    print(f"  {N}x{K}: mean time over the fastest, by splits: " + ", ".join(
+        f"{p.splits}: {cost[p]:.3f}" for p in orders) + f"; rule of thumb {rule_of_thumb(N, K).splits}, "
+        f"chosen {chosen.splits}", flush=True)
     out = {}
     for M in rows:
-        x, w = shape.x[:M], shape.weights[0]
-        want = matmul_kernel(x, w, None, False, DECODE_TILES)
-        timed = []
-        for tiles in INVARIANT_TILES:
-            if tiles.block_m == DECODE_ROWS < M:
-                continue  # a decode's row tile, for more rows than a decode's
-            for split in (False, True) if plan(N, K).splits > 1 and M <= SPLIT_ROWS else (False,):
-                try:
-                    same = torch.equal(matmul_kernel(x, w, None, split, tiles), want)
-                except OutOfResources:
-                    continue
-                if not same:
-                    print(f"  {N}x{K} M={M} {tiles} split={split}: NOT the same bits, left out", flush=True)
-                    continue
-                timed.append((shape.invariant_s(tiles, split, M), tiles, split))
-                print(f"  {N}x{K} M={M} {tiles.block_m}x{tiles.block_n}x{tiles.block_k}w{tiles.num_warps}"
-                      f"s{tiles.num_stages}{' tma' if tiles.tma else ''} split={split}: {timed[-1][0] * 1e6:.1f} us",
-                      flush=True)
-        if not timed:
-            raise RuntimeError(f"{N}x{K} M={M}: no candidate fits the GPU and keeps the bits")
-        seconds, tiles, split = min(timed, key=lambda t: t[0])
+        seconds, tiles, split = best[chosen][M]
         cublas = shape.cublas_s(M)
-        print(f"= {N}x{K} M={M}: {tiles} split={split} {seconds * 1e6:.1f} us, cuBLAS {cublas * 1e6:.1f} us, "
-              f"{seconds / cublas:.2f}x cuBLAS's time", flush=True)
+        rule = best[rule_of_thumb(N, K)][M][0]
+        print(f"= {N}x{K} M={M}: splits={chosen.splits} {tiles} split={split} {seconds * 1e6:.1f} us, rule of "
+              f"thumb's splits {rule * 1e6:.1f} us, cuBLAS {cublas * 1e6:.1f} us, {seconds / cublas:.2f}x cuBLAS's "
+              "time", flush=True)
         out[str(M)] = dict(asdict(tiles), split=split)
     del shape
     torch.cuda.empty_cache()
-    return out
+    return dict(splits=chosen.splits, rows=out)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,11 +6,12 @@ change in the last bits with the batch it shares (issue 33: 11 of 48 requests al
 batched). `batch_invariant_linear` fixes every choice that touches a row's sums from (N, K) alone:
 
 - On CUDA, one Triton kernel. Each output element's dot product runs over K in `splits` chunks of `chunk_k`
-  (both from N and K: `plan`), each chunk summed from 0 in steps of the tile's block_k (the same MMA instructions,
-  in K order, whatever the tile: `Tiles`), then the chunks' sums added in order: ((0 + c_0) + c_1) + ... Only the
-  tile and the grid depend on M: few rows (a decode) run one program per chunk, whose float32 partials the last
-  one to finish adds up in that order; many rows run one program per tile, which adds its chunks as it goes. Both
-  add the same numbers in the same order, so they agree bit for bit (tests/kernels/test_kernel_matmul.py).
+  (both from N and K, and the GPU where the tuner chose them: `plan`), each chunk summed from 0 in steps of the
+  tile's block_k (the same MMA instructions, in K order, whatever the tile: `Tiles`), then the chunks' sums added
+  in order: ((0 + c_0) + c_1) + ... Only the tile and the grid depend on M: few rows (a decode) run one program
+  per chunk, whose float32 partials the last one to finish adds up in that order; many rows run one program per
+  tile, which adds its chunks as it goes. Both add the same numbers in the same order, so they agree bit for bit
+  (tests/kernels/test_kernel_matmul.py).
 - Elsewhere, PyTorch's matmul over fixed blocks of ROWS rows (padded with zeros): every block is
   the same shape, so the BLAS runs the same kernel on each.
 
@@ -41,13 +42,14 @@ BLOCK_K = 128  # the step along K that `plan`'s chunks are made of, and the tile
 # keep the next step's MMA waiting (results/logs/h100_invariant_variants_58a91cf.log)
 NESTED_STEPS = 4
 GROUP_M = 8  # a whole-K grid runs GROUP_M row tiles per column tile in turn, so a weight tile is read once for them
-PLAN_BLOCK_N = 64  # the tile width `plan` counts programs in (whatever width a launch then uses)
+PLAN_BLOCK_N = 64  # the tile width `rule_of_thumb` counts programs in (whatever width a launch then uses)
 PROGRAMS = 256  # the programs a one-tile decode should spread over (about two per SM on an H200's 132)
 COUNTERS = 4096  # arrival counters per device: the most tiles a split launch may have
 ROWS = 16  # the CPU's row block
 DECODE_ROWS = 16  # the most rows a tuned decode launch serves: one tile of mma.sync's 16 rows
-# {gpu: {dtype: {"decode" and "gated": {"NxK": DecodeLaunch}, "invariant": {"NxK": {rows: (Tiles, split)}}}}}, as
-# weft.benchmark.tune_gemm writes it
+# {gpu: {dtype: {"decode" and "gated": {"NxK": DecodeLaunch},
+#                "invariant": {"NxK": {"splits": K's chunks, "rows": {rows: (Tiles, split)}}}}}},
+# as weft.benchmark.tune_gemm writes it
 TUNED = Path(__file__).with_name("tuned_gemms.json")
 # the row counts the invariant launches are tuned at: each one's launch serves the rows above the tuned count before
 # it. 192: e8's decodes shrink through 129-256 rows, where 256's tiles leave gate_up 1.4x slower than 192's own at
@@ -106,17 +108,18 @@ def tile_choices(dtype: torch.dtype) -> tuple[Tiles, Tiles]:
 
 def launch_for(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
                gpu: str | None = None) -> tuple[Tiles, bool]:
-    """The tiles and grid for M rows of an [N, K] weight: on a `gpu` the tuner measured (TUNED's "invariant"
-    section), the fastest it found at the least row count it tuned that holds M. Else the large tiles past the small
-    ones' rows where they fill a wave; else the small ones, which rows that fit one of them (a decode's few) run one
-    program per chunk where their tiles alone leave the wave short (and there are chunks). Past one tile's rows the
-    chunks' float32 partials, M x N each, cost more than the programs they add
+    """The tiles and grid for M rows of an [N, K] weight summed in `plan`'s order: on a `gpu` the tuner measured
+    (TUNED's "invariant" section), the fastest it found at the least row count it tuned that holds M. Else the large
+    tiles past the small ones' rows where they fill a wave; else the small ones, which rows that fit one of them (a
+    decode's few) run one program per chunk where their tiles alone leave the wave short (and there are chunks).
+    Past one tile's rows the chunks' float32 partials, M x N each, cost more than the programs they add
     (results/logs/h200_matmul_split_rows_5a225c1.log). Whichever is chosen, the bits are the same."""
-    if gpu is not None and (by_rows := tuned(gpu, dtype).invariant.get((N, K))):
-        rows = min((r for r in by_rows if M <= r), default=None)
+    splits = plan(N, K, dtype, gpu).splits
+    if gpu is not None and (entry := tuned(gpu, dtype).invariant.get((N, K))):
+        rows = min((r for r in entry.rows if M <= r), default=None)
         if rows is not None:
-            tiles, split = by_rows[rows]
-            return tiles, split and plan(N, K).splits > 1
+            tiles, split = entry.rows[rows]
+            return tiles, split and splits > 1
     small, large = tile_choices(dtype)
 
     def programs(t: Tiles) -> int:
@@ -125,7 +128,7 @@ def launch_for(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
     if M > small.block_m:
         return (large if programs(large) >= WAVE else small), False
     tiles = programs(small)
-    return small, plan(N, K).splits > 1 and tiles < WAVE and tiles <= COUNTERS
+    return small, splits > 1 and tiles < WAVE and tiles <= COUNTERS
 
 
 @dataclass(frozen=True)
@@ -136,10 +139,19 @@ class MatmulPlan:
     chunk_k: int
 
 
+def plan(N: int, K: int, dtype: torch.dtype = torch.bfloat16, gpu: str | None = None) -> MatmulPlan:
+    """The chunks of K for an [N, K] weight of `dtype`: on a `gpu` the tuner measured, the count it chose (the one
+    whose fastest launches were fastest over its row counts, results/logs/h100_invariant_plans_*.log), else
+    `rule_of_thumb`'s. Never depends on M: a process runs one GPU."""
+    if gpu is not None and (entry := tuned(gpu, dtype).invariant.get((N, K))):
+        return chunks(K, BLOCK_K, entry.splits)
+    return rule_of_thumb(N, K)
+
+
 @functools.cache
-def plan(N: int, K: int) -> MatmulPlan:
-    """The chunks of K for an [N, K] weight: enough that a one-tile decode's N / BLOCK_N tiles times the chunks
-    reach PROGRAMS, each chunk at least two BLOCK_K steps. Depends on N and K only, never on M."""
+def rule_of_thumb(N: int, K: int) -> MatmulPlan:
+    """Chunks enough that a one-tile decode's N / BLOCK_N tiles times the chunks reach PROGRAMS, each chunk at
+    least two BLOCK_K steps."""
     tiles = triton.cdiv(N, PLAN_BLOCK_N)
     steps = triton.cdiv(K, BLOCK_K)
     return chunks(K, BLOCK_K, max(1, min(PROGRAMS // tiles, steps // 2)))
@@ -357,13 +369,16 @@ def prepare(model: nn.Module, device: torch.device, max_rows: int) -> None:
 
 
 def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  split: bool | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+                  split: bool | None = None, tiles: Tiles | None = None,
+                  order: MatmulPlan | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, by the Triton kernel in the batch-invariant
-    order (`plan`); `split`, `tiles`: force the grid and the tiles (None: `launch_for`'s choice)."""
+    order (`plan`); `split`, `tiles`, `order`: force the grid, the tiles and the chunks (None: `launch_for`'s and
+    `plan`'s choice; the tuner tries others)."""
     M, K = x.shape
     N = weight.shape[0]
-    p = plan(N, K)
-    chosen_tiles, chosen_split = launch_for(M, N, K, x.dtype, _gpu_name(x.device.index) if x.is_cuda else None)
+    gpu = _gpu_name(x.device.index) if x.is_cuda else None
+    p = order or plan(N, K, x.dtype, gpu)
+    chosen_tiles, chosen_split = launch_for(M, N, K, x.dtype, gpu)
     split = chosen_split if split is None else split and p.splits > 1
     return _launch(x, weight, bias, tiles or chosen_tiles, p, split)
 
@@ -452,14 +467,23 @@ class DecodeLaunch:
 
 
 @dataclass(frozen=True)
+class InvariantLaunches:
+    """The batch-invariant kernel's tuned launches for one weight shape: K summed in `splits` chunks (`plan`), and
+    by row count (of INVARIANT_ROWS) its fastest tiles and grid."""
+
+    splits: int
+    rows: dict[int, tuple[Tiles, bool]]
+
+
+@dataclass(frozen=True)
 class TunedLaunches:
     """The launches the tuner found fastest on one GPU for one dtype, by weight shape (N, K): for a decode's few
     rows where they beat cuBLAS (`gated`: an MLP's gate and up with SiLU x up after, where they beat cuBLAS and
-    weft.layers.fused's SiLU x up), and for the batch-invariant kernel by INVARIANT_ROWS."""
+    weft.layers.fused's SiLU x up), and for the batch-invariant kernel its chunks and launches."""
 
     decode: dict[tuple[int, int], DecodeLaunch]
     gated: dict[tuple[int, int], DecodeLaunch]
-    invariant: dict[tuple[int, int], dict[int, tuple[Tiles, bool]]]
+    invariant: dict[tuple[int, int], InvariantLaunches]
 
 
 @functools.cache
@@ -478,8 +502,9 @@ def tuned(gpu: str, dtype: torch.dtype) -> TunedLaunches:
     return TunedLaunches(
         launches("decode"),
         launches("gated"),
-        {shape(key): {int(rows): invariant_launch(entry) for rows, entry in by_rows.items()}
-         for key, by_rows in table.get("invariant", {}).items()},
+        {shape(key): InvariantLaunches(entry["splits"], {int(rows): invariant_launch(launch)
+                                                         for rows, launch in entry["rows"].items()})
+         for key, entry in table.get("invariant", {}).items()},
     )
 
 
