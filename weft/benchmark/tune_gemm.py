@@ -31,6 +31,7 @@ from weft.inference.config import DTYPES
 from weft.layers.fused import silu_and_mul
 from weft.layers.linear import (
     BLOCK_K,
+    COUNTERS,
     DECODE_ROWS,
     DECODE_TILES,
     INVARIANT_ROWS,
@@ -178,6 +179,8 @@ def fastest_invariant(shape: Shape, order: MatmulPlan, M: int) -> tuple[float, T
         if tiles.block_m == DECODE_ROWS < M:
             continue  # a decode's row tile, for more rows than a decode's
         for split in (False, True) if order.splits > 1 and M <= SPLIT_ROWS else (False,):
+            if split and -(-M // tiles.block_m) * -(-shape.N // tiles.block_n) > COUNTERS:
+                continue  # an arrival counter per tile
             try:
                 same = torch.equal(matmul_kernel(x, w, None, split, tiles, order), want)
             except OutOfResources:
