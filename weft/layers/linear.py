@@ -59,10 +59,13 @@ INVARIANT_ROWS = (16, 64, 128, 192, 256, 512, 1024, 2048, 4096, 8192)
 
 class Linear(nn.Linear):
     """nn.Linear; with `batch_invariant` set (EngineConfig.deterministic) `batch_invariant_linear`; else with
-    `kernels` set (EngineConfig.enable_tuned_gemms) a decode's few rows by the tuned launch where one beats cuBLAS."""
+    `kernels` set (EngineConfig.enable_tuned_gemms) a decode's few rows by the tuned launch where one beats cuBLAS.
+    `gated`: an MLP's gate and up, whose SwiGLU runs it batch-invariant on CUDA with SiLU x up in the launch (so
+    `prepare` compiles those launches)."""
 
     batch_invariant = False
     kernels = True
+    gated = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features]"""
@@ -358,10 +361,10 @@ def prepare(model: nn.Module, device: torch.device, max_rows: int) -> None:
         x = torch.zeros(1, K, dtype=w.dtype, device=device)
         if layer.batch_invariant:
             for tiles, split in launch_variants(N, K, w.dtype, max_rows, _gpu_name(device.index)):
-                launch = (N, K, w.dtype, b is not None, tiles, split)
+                launch = (N, K, w.dtype, b is not None, tiles, split, layer.gated)
                 if launch not in compiled:
                     compiled.add(launch)
-                    matmul_kernel(x, w, b, split=split, tiles=tiles)
+                    matmul_kernel(x, w, b, split=split, tiles=tiles, gated=layer.gated)
         elif layer.kernels:  # one compile per launch: M is an argument
             for gated in (False, True):
                 if (decode := decode_launch(1, w, gated)) is not None:
@@ -369,18 +372,19 @@ def prepare(model: nn.Module, device: torch.device, max_rows: int) -> None:
 
 
 def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  split: bool | None = None, tiles: Tiles | None = None,
-                  order: MatmulPlan | None = None) -> torch.Tensor:
+                  split: bool | None = None, tiles: Tiles | None = None, order: MatmulPlan | None = None,
+                  gated: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, by the Triton kernel in the batch-invariant
     order (`plan`); `split`, `tiles`, `order`: force the grid, the tiles and the chunks (None: `launch_for`'s and
-    `plan`'s choice; the tuner tries others)."""
+    `plan`'s choice; the tuner tries others). `gated`: weight is an MLP's gate, then its up -> SiLU(gate) x up
+    [M, N / 2], the bits of weft.layers.fused.silu_and_mul over the product."""
     M, K = x.shape
     N = weight.shape[0]
     gpu = _gpu_name(x.device.index) if x.is_cuda else None
     p = order or plan(N, K, x.dtype, gpu)
     chosen_tiles, chosen_split = launch_for(M, N, K, x.dtype, gpu)
     split = chosen_split if split is None else split and p.splits > 1
-    return _launch(x, weight, bias, tiles or chosen_tiles, p, split)
+    return _launch(x, weight, bias, tiles or chosen_tiles, p, split, gated)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: Tiles, p: MatmulPlan, split: bool,
