@@ -175,36 +175,6 @@ def test_every_order_the_tuner_tries_keeps_each_rows_bits(device):
         assert torch.equal(matmul_kernel(x[7:8].contiguous(), w, None, False, FLOAT32_TILES, p), full[7:8])
 
 
-def test_gated_the_launch_gives_silu_times_up_of_its_own_product(device):
-    """An MLP's gate and up batch-invariant (SwiGLU on CUDA): SiLU(gate) x up of the product's bits, as
-    weft.layers.fused's kernel computes it over them, and each row alike whole, split and alone."""
-    N, K = 192, 600
-    x, w, b = operands(N, K, torch.float32, device, True, M=40)
-    assert plan(N, K).splits > 1
-    full = matmul_kernel(x, w, b, False, FLOAT32_TILES, gated=True)
-    assert torch.equal(full, silu_and_mul(matmul_kernel(x, w, b, False, FLOAT32_TILES)))
-    assert torch.equal(matmul_kernel(x[3:10].contiguous(), w, b, True, FLOAT32_TILES, gated=True), full[3:10])
-    assert torch.equal(matmul_kernel(x[7:8].contiguous(), w, b, False, FLOAT32_TILES, gated=True), full[7:8])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_batch_invariant_mlp_on_cuda_runs_silu_times_up_in_the_launch(device, dtype):
-    """SwiGLU with EngineConfig.deterministic's flags: the bits of its gate_up's batch-invariant product, then the SiLU
-    x up kernel, then down; each row alike in any batch."""
-    from weft.distributed import SINGLE
-    from weft.layers.mlp import SwiGLU
-
-    mlp = SwiGLU(256, 1024, False, SINGLE).to(device, dtype)
-    for module in (mlp, mlp.gate_up_proj, mlp.down_proj):
-        module.batch_invariant = True
-    x = torch.randn(300, 256, device=device).to(dtype)
-    full = mlp(x)
-    assert torch.equal(full, mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))))
-    for offset, M in SLICES:
-        assert torch.equal(mlp(x[offset : offset + M]), full[offset : offset + M])
-
-
 def test_prepare_compiles_the_launches_each_row_count_makes():
     """launch_variants (what prepare compiles at start): the rule of thumb's few launches for an untuned GPU, and
     on a tuned one the table's launch for each row count it tuned that the rows reach."""
@@ -243,21 +213,18 @@ def test_a_row_count_the_table_lacks_takes_the_next_tuned_one_above(monkeypatch)
 # process other tests may have compiled every launch prepare would.
 PREPARE_SCRIPT = """
 import json, torch, triton
-from weft.layers.linear import Linear, decode_launch, matmul_kernel, prepare
+from weft.layers.linear import Linear, decode_launch, prepare
 compiled, found = [], []
 triton.knobs.runtime.jit_cache_hook = lambda **kw: compiled.append(kw["fn"].name)
 invariant = Linear(768, 3072, bias=True).to("cuda", torch.bfloat16)
-gate_up = Linear(768, 2 * 1536, bias=False).to("cuda", torch.bfloat16)  # as SwiGLU runs it: SiLU x up in the launch
-invariant.batch_invariant = gate_up.batch_invariant = gate_up.gated = True
+invariant.batch_invariant = True
 plain = Linear(2048, 1024, bias=False).to("cuda", torch.bfloat16)  # Qwen3-0.6B's o_proj: tuned on the H200
-for layer, call, rows in ((invariant, invariant, (1, 7, 64, 65, 200, 300)),
-                          (gate_up, lambda x: matmul_kernel(x, gate_up.weight, None, gated=True), (1, 65, 300)),
-                          (plain, plain, (1, 4, 16))):
+for layer, rows in ((invariant, (1, 7, 64, 65, 200, 300)), (plain, (1, 4, 16))):
     prepare(layer, torch.device("cuda"), 300)
     at_prepare = list(compiled)
     compiled.clear()
     for M in rows:
-        call(torch.randn(M, layer.in_features, device="cuda", dtype=torch.bfloat16))
+        layer(torch.randn(M, layer.in_features, device="cuda", dtype=torch.bfloat16))
     found.append([at_prepare, list(compiled)])
     compiled.clear()
 print(json.dumps([found, decode_launch(1, plain.weight) is not None]))
@@ -267,14 +234,13 @@ print(json.dumps([found, decode_launch(1, plain.weight) is not None]))
 @pytest.mark.gpu
 def test_after_prepare_no_row_count_compiles_a_kernel():
     """A serving run compiles nothing in its steps: prepare compiled every launch up to its rows, of a
-    batch-invariant layer, of an MLP's gate and up batch-invariant (gated), and (where this GPU has a tuned decode
-    launch for it) of a default one."""
+    batch-invariant layer and (where this GPU has a tuned decode launch for it) of a default one."""
     done = subprocess.run([sys.executable, "-c", PREPARE_SCRIPT], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    ((at_prepare, in_steps), (gated_at_prepare, gated_in_steps), (plain_at_prepare, plain_in_steps)), tuned_here = (
-        json.loads(done.stdout.strip().splitlines()[-1]))
-    assert at_prepare and gated_at_prepare, "prepare compiled nothing"
-    assert in_steps == gated_in_steps == []
+    ((at_prepare, in_steps), (plain_at_prepare, plain_in_steps)), tuned_here = json.loads(
+        done.stdout.strip().splitlines()[-1])
+    assert at_prepare, "prepare compiled nothing"
+    assert in_steps == []
     assert bool(plain_at_prepare) == tuned_here
     assert plain_in_steps == []
 

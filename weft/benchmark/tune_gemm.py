@@ -11,7 +11,7 @@ name, the dtype and its section; the printed lines are the log to keep beside it
 
 With --invariant it tunes the batch-invariant kernel instead (EngineConfig.deterministic): for each weight shape the
 count of chunks K is summed in, and at each of INVARIANT_ROWS the fastest of INVARIANT_TILES, whole or split, whatever
-cuBLAS does (printed beside it); an MLP's gate_up gated, as SwiGLU runs it.
+cuBLAS does (printed beside it).
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ INVARIANT_TILES = [
                                     (128, 128, 8, 4, 64), (128, 256, 8, 3, 64), (128, 256, 8, 4, 64))),
     *(Tiles(DECODE_ROWS, n, 4, 4) for n in (32, 64, 128)),
 ]
-# the batch-invariant kernel's counts of chunks: more lost at every row count on Qwen3-0.6B's and 4B's shapes
-# (results/logs/h100_invariant_plans_ddd.log)
+# the batch-invariant kernel's counts of chunks tried: on Qwen3-0.6B's and 4B's shapes none past 3 won
+# (results/logs/h100_tune_gemm_invariant_plans_a9e4f4a.log)
 INVARIANT_SPLITS = (1, 2, 3, 4, 6, 8)
 SPLIT_ROWS = 256  # past these rows a split's float32 partials cost more than its programs gain: not tried
 LOGIT_ROWS = 256  # EngineConfig.max_num_seqs's default: the most rows the LM head computes
@@ -106,10 +106,9 @@ class Shape:
         x = self.x[:M]
         return graph_seconds([lambda w=w: decode_matmul(x, w, None, launch, gated) for w in self.weights], rounds)
 
-    def invariant_s(self, tiles: Tiles, split: bool, M: int, order: MatmulPlan, gated: bool) -> float:
+    def invariant_s(self, tiles: Tiles, split: bool, M: int, order: MatmulPlan) -> float:
         x = self.x[:M]
-        return graph_seconds([lambda w=w: matmul_kernel(x, w, None, split, tiles, order, gated)
-                              for w in self.weights])
+        return graph_seconds([lambda w=w: matmul_kernel(x, w, None, split, tiles, order) for w in self.weights])
 
     def cublas_s(self, M: int, rounds: int = 5, gated: bool = False) -> float:
         """cuBLAS's product (gated: then weft.layers.fused's SiLU x up)."""
@@ -169,12 +168,12 @@ def invariant_orders(N: int, K: int) -> list[MatmulPlan]:
     return sorted(orders | {rule_of_thumb(N, K)}, key=lambda p: p.splits)
 
 
-def fastest_invariant(shape: Shape, order: MatmulPlan, M: int, gated: bool) -> tuple[float, Tiles, bool]:
-    """The fastest of INVARIANT_TILES, each whole and split into `order`'s chunks, at M rows of `shape`'s weight
-    (`gated`: SiLU x up in the launch): only those whose bits are the small tiles' whole launch's (any tile of either
-    step should give them on the GPU: one that did not would be reported and left out)."""
+def fastest_invariant(shape: Shape, order: MatmulPlan, M: int) -> tuple[float, Tiles, bool]:
+    """The fastest of INVARIANT_TILES, each whole and split into `order`'s chunks, at M rows of `shape`'s weight:
+    only those whose bits are the small tiles' whole launch's (any tile of either step should give them on the GPU:
+    one that did not would be reported and left out)."""
     x, w = shape.x[:M], shape.weights[0]
-    want = matmul_kernel(x, w, None, False, DECODE_TILES, order, gated)
+    want = matmul_kernel(x, w, None, False, DECODE_TILES, order)
     timed = []
     for tiles in INVARIANT_TILES:
         if tiles.block_m == DECODE_ROWS < M:
@@ -183,23 +182,22 @@ def fastest_invariant(shape: Shape, order: MatmulPlan, M: int, gated: bool) -> t
             if split and -(-M // tiles.block_m) * -(-shape.N // tiles.block_n) > COUNTERS:
                 continue  # an arrival counter per tile
             try:
-                same = torch.equal(matmul_kernel(x, w, None, split, tiles, order, gated), want)
+                same = torch.equal(matmul_kernel(x, w, None, split, tiles, order), want)
             except OutOfResources:
                 continue
             if not same:
                 print(f"  {shape.N}x{shape.K} M={M} splits={order.splits} {tiles} split={split}: NOT the same bits, "
                       "left out", flush=True)
                 continue
-            timed.append((shape.invariant_s(tiles, split, M, order, gated), tiles, split))
+            timed.append((shape.invariant_s(tiles, split, M, order), tiles, split))
     if not timed:
         raise RuntimeError(f"{shape.N}x{shape.K} M={M}: no candidate fits the GPU and keeps the bits")
     return min(timed, key=lambda t: t[0])
 
 
-def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int, gated: bool = False) -> dict:
+def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int) -> dict:
     """The batch-invariant kernel's chunks of K for an [N, K] weight and its fastest launch at each of INVARIANT_ROWS
-    up to `most_rows` (`gated`: an MLP's gate and up, SiLU x up in the launch against cuBLAS and the SiLU x up
-    kernel). Of `invariant_orders`, the one kept is the one whose fastest launches take the least time
+    up to `most_rows`. Of `invariant_orders`, the one kept is the one whose fastest launches take the least time
     relative to the fastest of any at each row count (the mean of those ratios: a decode's few rows and a prefill's
     many weigh alike). A table entry: {"splits": .., "rows": {rows: tiles and split}}."""
     rows = [r for r in INVARIANT_ROWS if r <= most_rows]
@@ -208,7 +206,7 @@ def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int, gated: bo
     best = {p: {} for p in orders}
     for M in rows:
         for p in orders:
-            best[p][M] = fastest_invariant(shape, p, M, gated)
+            best[p][M] = fastest_invariant(shape, p, M)
         print(f"  {N}x{K} M={M}: " + " | ".join(
             f"splits={p.splits} {best[p][M][0] * 1e6:.1f} us" for p in orders), flush=True)
     least = {M: min(best[p][M][0] for p in orders) for M in rows}
@@ -220,7 +218,7 @@ def tune_invariant(N: int, K: int, dtype: torch.dtype, most_rows: int, gated: bo
     out = {}
     for M in rows:
         seconds, tiles, split = best[chosen][M]
-        cublas = shape.cublas_s(M, gated=gated)
+        cublas = shape.cublas_s(M)
         rule = best[rule_of_thumb(N, K)][M][0]
         print(f"= {N}x{K} M={M}: splits={chosen.splits} {tiles} split={split} {seconds * 1e6:.1f} us, rule of "
               f"thumb's splits {rule * 1e6:.1f} us, cuBLAS {cublas * 1e6:.1f} us, {seconds / cublas:.2f}x cuBLAS's "
@@ -257,8 +255,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"# {model} {name} N={N} K={K}", flush=True)
             if args.invariant:  # the LM head computes only the rows that need logits: at most max_num_seqs
                 sections[section][key] = tune_invariant(N, K, dtype,
-                                                        LOGIT_ROWS if name == "lm_head" else INVARIANT_ROWS[-1],
-                                                        gated=name == "gate_up")
+                                                        LOGIT_ROWS if name == "lm_head" else INVARIANT_ROWS[-1])
             else:
                 launch = tune(N, K, dtype, copy_gbps, gated=section == "gated")
                 sections[section][key] = launch.record() if launch else None

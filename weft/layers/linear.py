@@ -59,13 +59,10 @@ INVARIANT_ROWS = (16, 64, 128, 192, 256, 512, 1024, 2048, 4096, 8192)
 
 class Linear(nn.Linear):
     """nn.Linear; with `batch_invariant` set (EngineConfig.deterministic) `batch_invariant_linear`; else with
-    `kernels` set (EngineConfig.enable_tuned_gemms) a decode's few rows by the tuned launch where one beats cuBLAS.
-    `gated`: an MLP's gate and up, whose SwiGLU runs it batch-invariant on CUDA with SiLU x up in the launch (so
-    `prepare` compiles those launches)."""
+    `kernels` set (EngineConfig.enable_tuned_gemms) a decode's few rows by the tuned launch where one beats cuBLAS."""
 
     batch_invariant = False
     kernels = True
-    gated = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features]"""
@@ -144,8 +141,8 @@ class MatmulPlan:
 
 def plan(N: int, K: int, dtype: torch.dtype = torch.bfloat16, gpu: str | None = None) -> MatmulPlan:
     """The chunks of K for an [N, K] weight of `dtype`: on a `gpu` the tuner measured, the count it chose (the one
-    whose fastest launches were fastest over its row counts, results/logs/h100_invariant_plans_*.log), else
-    `rule_of_thumb`'s. Never depends on M: a process runs one GPU."""
+    whose fastest launches were fastest over its row counts: results/logs/h100_tune_gemm_invariant_plans_a9e4f4a.log),
+    else `rule_of_thumb`'s. Never depends on M: a process runs one GPU."""
     if gpu is not None and (entry := tuned(gpu, dtype).invariant.get((N, K))):
         return chunks(K, BLOCK_K, entry.splits)
     return rule_of_thumb(N, K)
@@ -361,10 +358,10 @@ def prepare(model: nn.Module, device: torch.device, max_rows: int) -> None:
         x = torch.zeros(1, K, dtype=w.dtype, device=device)
         if layer.batch_invariant:
             for tiles, split in launch_variants(N, K, w.dtype, max_rows, _gpu_name(device.index)):
-                launch = (N, K, w.dtype, b is not None, tiles, split, layer.gated)
+                launch = (N, K, w.dtype, b is not None, tiles, split)
                 if launch not in compiled:
                     compiled.add(launch)
-                    matmul_kernel(x, w, b, split=split, tiles=tiles, gated=layer.gated)
+                    matmul_kernel(x, w, b, split=split, tiles=tiles)
         elif layer.kernels:  # one compile per launch: M is an argument
             for gated in (False, True):
                 if (decode := decode_launch(1, w, gated)) is not None:
@@ -372,19 +369,18 @@ def prepare(model: nn.Module, device: torch.device, max_rows: int) -> None:
 
 
 def matmul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  split: bool | None = None, tiles: Tiles | None = None, order: MatmulPlan | None = None,
-                  gated: bool = False) -> torch.Tensor:
+                  split: bool | None = None, tiles: Tiles | None = None,
+                  order: MatmulPlan | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, by the Triton kernel in the batch-invariant
     order (`plan`); `split`, `tiles`, `order`: force the grid, the tiles and the chunks (None: `launch_for`'s and
-    `plan`'s choice; the tuner tries others). `gated`: weight is an MLP's gate, then its up -> SiLU(gate) x up
-    [M, N / 2], the bits of weft.layers.fused.silu_and_mul over the product."""
+    `plan`'s choice; the tuner tries others)."""
     M, K = x.shape
     N = weight.shape[0]
     gpu = _gpu_name(x.device.index) if x.is_cuda else None
     p = order or plan(N, K, x.dtype, gpu)
     chosen_tiles, chosen_split = launch_for(M, N, K, x.dtype, gpu)
     split = chosen_split if split is None else split and p.splits > 1
-    return _launch(x, weight, bias, tiles or chosen_tiles, p, split, gated)
+    return _launch(x, weight, bias, tiles or chosen_tiles, p, split)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: Tiles, p: MatmulPlan, split: bool,

@@ -1,5 +1,5 @@
 """SwiGLU MLP with gate and up projections fused into one matmul (and on CUDA SiLU x up in one kernel, or in a
-decode's tuned matmul launch, or in the batch-invariant one)."""
+decode's tuned matmul launch)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 
 from weft.distributed import TensorParallel
 from weft.layers import exact, fused
-from weft.layers.linear import Linear, decode_launch, decode_matmul, matmul_kernel
+from weft.layers.linear import Linear, decode_launch, decode_matmul
 from weft.layers.parallel import RowParallelLinear
 
 
@@ -18,7 +18,6 @@ class SwiGLU(nn.Module):
         """`intermediate`: this rank's MLP columns."""
         super().__init__()
         self.gate_up_proj = Linear(E, 2 * intermediate, bias=bias)
-        self.gate_up_proj.gated = True
         self.down_proj = RowParallelLinear(intermediate, E, bias, tp)
         self.kernels = True  # fused.py's SiLU x up where it runs (False: PyTorch's ops)
         self.batch_invariant = False  # off the kernels, SiLU from exact.py (EngineConfig.deterministic)
@@ -26,8 +25,6 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T_total, E] -> [T_total, E]"""
         w = self.gate_up_proj.weight
-        if self.batch_invariant and x.is_cuda:  # SiLU x up in the batch-invariant launch, its product never stored
-            return self.down_proj(matmul_kernel(x.contiguous(), w, self.gate_up_proj.bias, gated=True))
         tuned = self.gate_up_proj.kernels and not self.batch_invariant
         if tuned and (launch := decode_launch(x.shape[0], w, gated=True)):
             # a decode's few rows, SiLU x up in gate_up's tuned launch's epilogue
