@@ -193,7 +193,7 @@ def test_prepare_compiles_the_launches_each_row_count_makes():
 
 def test_a_row_count_the_table_lacks_takes_the_next_tuned_one_above(monkeypatch):
     """A table tuned before a row count joined INVARIANT_ROWS (or with some left out) serves those rows with the
-    launch of the least tuned count that holds them, and rows past its last with the rule of thumb's tiles, in the
+    launch of the least tuned count that holds them, and rows past its last with that count's tiles, whole, in the
     table's chunks: every row count of the GPU sums in one order."""
     from weft.layers import linear
 
@@ -206,7 +206,11 @@ def test_a_row_count_the_table_lacks_takes_the_next_tuned_one_above(monkeypatch)
     assert launch_for(100, 1024, 2048, torch.bfloat16, "a GPU") == (narrow, True)
     assert launch_for(150, 1024, 2048, torch.bfloat16, "a GPU") == launch_for(256, 1024, 2048, torch.bfloat16,
                                                                                 "a GPU") == (wide, False)
-    assert launch_for(300, 1024, 2048, torch.bfloat16, "a GPU") == launch_for(300, 1024, 2048)
+    assert launch_for(300, 1024, 2048, torch.bfloat16, "a GPU") == (wide, False)
+    entry = linear.InvariantLaunches(2, {128: (narrow, True)})  # a split launch last: past it, its tiles whole
+    table = linear.TunedLaunches({}, {}, {(1024, 2048): entry})
+    assert launch_for(100, 1024, 2048, torch.bfloat16, "a GPU") == (narrow, True)
+    assert launch_for(200_000, 1024, 2048, torch.bfloat16, "a GPU") == (narrow, False)
 
 
 # In a process of its own: the kernel compiles once per tile and loop form (the plan is an argument), so in the tests'

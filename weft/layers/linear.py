@@ -109,17 +109,19 @@ def tile_choices(dtype: torch.dtype) -> tuple[Tiles, Tiles]:
 def launch_for(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
                gpu: str | None = None) -> tuple[Tiles, bool]:
     """The tiles and grid for M rows of an [N, K] weight summed in `plan`'s order: on a `gpu` the tuner measured
-    (TUNED's "invariant" section), the fastest it found at the least row count it tuned that holds M. Else the large
-    tiles past the small ones' rows where they fill a wave; else the small ones, which rows that fit one of them (a
-    decode's few) run one program per chunk where their tiles alone leave the wave short (and there are chunks).
+    (TUNED's "invariant" section), the fastest it found at the least row count it tuned that holds M; past the most
+    it tuned, that count's tiles, whole (a prefill of every prompt at once: the rule of thumb's tiles were 1.2x
+    slower at 4,096 rows on an H100, results/logs/h100_tma_0825603.log, and a split's partials grow with M). Else
+    the large tiles past the small ones' rows where they fill a wave; else the small ones, which rows that fit one of
+    them (a decode's few) run one program per chunk where their tiles alone leave the wave short (and there are
+    chunks).
     Past one tile's rows the chunks' float32 partials, M x N each, cost more than the programs they add
     (results/logs/h200_matmul_split_rows_5a225c1.log). Whichever is chosen, the bits are the same."""
     splits = plan(N, K, dtype, gpu).splits
     if gpu is not None and (entry := tuned(gpu, dtype).invariant.get((N, K))):
-        rows = min((r for r in entry.rows if M <= r), default=None)
-        if rows is not None:
-            tiles, split = entry.rows[rows]
-            return tiles, split and splits > 1
+        rows = min((r for r in entry.rows if M <= r), default=max(entry.rows))
+        tiles, split = entry.rows[rows]
+        return tiles, split and splits > 1 and M <= rows
     small, large = tile_choices(dtype)
 
     def programs(t: Tiles) -> int:
