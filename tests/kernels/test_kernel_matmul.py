@@ -443,6 +443,20 @@ def test_every_tuned_invariant_launch_keeps_the_bits(device):
             assert torch.equal(matmul_kernel(x, w, None, split, tiles), want), (N, K, rows, tiles, split)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [PREFILL_TILES, Tiles(128, 256, 8, 3, 64, tma=True)], ids=["pointers", "tma"])
+def test_rows_past_two_to_the_31_elements_are_read_and_stored_where_they_are(device, tiles):
+    """A prefill of every prompt at once (e8's ~145k rows of Qwen3-4B's gate_up, 19,456 wide) holds more than 2^31
+    elements in its output (and its input may): the last rows are stored, and read, where they are, with the bits
+    they get alone."""
+    N = K = 16384
+    M = 2**31 // K + 200  # x and the output both past 2^31 elements
+    x = torch.randn(M, K, device=device).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=device) / K**0.5).to(torch.bfloat16)
+    full = matmul_kernel(x, w, None, False, tiles)
+    assert torch.equal(full[-300:], matmul_kernel(x[-300:].contiguous(), w, None, False, tiles))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpu_row_blocks_keep_every_rows_bits(dtype):
     x, w, b = operands(200, 576, dtype, "cpu", True, M=300)

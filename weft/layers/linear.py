@@ -176,7 +176,7 @@ def _operands(x_ptr, w_ptr, rows, row_ok, cols, k0, K, stride_xm, stride_wn, BLO
         a, b = x_ptr.load([rows, k0]), w_ptr.load([cols, k0]).T
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        a_at = x_ptr + rows[:, None] * stride_xm + k[None, :]
+        a_at = x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :]  # M x K may pass 2^31 elements
         b_at = w_ptr + cols[None, :] * stride_wn + k[:, None]
         if EVEN_K:
             a, b = tl.load(a_at, mask=row_ok[:, None], other=0.0), tl.load(b_at)
@@ -326,7 +326,7 @@ def _store(out_ptr, bias_ptr, total, up, rows, cols, cols_in, out_ok, stride_om,
         out = silu_times(total.to(dtype), up.to(dtype), dtype)
     else:
         out = total.to(dtype)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=out_ok)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out, mask=out_ok)  # M x N: as x
 
 
 @functools.cache
