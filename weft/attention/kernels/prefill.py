@@ -37,11 +37,6 @@ KV_TILE_BYTES = 128 * 128 * 2
 NUM_STAGES, DEEP_STAGES = 2, 3
 SHARED_SLACK = 1024  # shared memory Triton's launch takes beyond the tiles (a few hundred bytes measured)
 SEARCH = 256  # requests whose first tiles a grouped program compares at once
-# A grouped program's rows for 16-bit operands: a whole warpgroup's MMA (64 rows), whose 4 warps each hold whole rows,
-# so a prefill's tiles carry 64 // GROUP tokens (4 // GROUP at 16 rows, where the warps split a row's keys: about
-# 2.4x the default prefill's time on e8's prompts, results/logs/h100_e16_prefill_launch_05019be.log); a decode's
-# GROUP rows use few of them, but its K/V tiles, not its MMAs, bound it. Float32 keeps the fewest tl.dot takes.
-GROUPED_ROWS = 64
 
 
 # Values that change from step to step are not specialized on: no recompiling mid-run.
@@ -296,15 +291,15 @@ def grouped_attention(
 
     One compiled program serves a decode (its one token's GROUP heads) and a prefill (BLOCK_M // GROUP
     tokens of them) alike, so a token's sums run through the same instructions in the same order
-    however it is computed: the batch-invariant path (EngineConfig.deterministic). The key tiles are
-    the split decode kernel's (a K/V tile read once for the group), the rows GROUPED_ROWS (16-bit) or
-    the fewest tl.dot takes (float32).
+    however it is computed: the batch-invariant path (EngineConfig.deterministic). The rows and
+    tiles are the split decode kernel's (a K/V tile read once for the group; 16 rows, the fewest
+    tl.dot takes), which a batch of decodes, the bulk of a serving step, is bound by.
     """
     T_total, H_q, D = q.shape
     _, P, H_kv, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride()
     group = H_q // H_kv
-    block_m = max(GROUPED_ROWS if q.element_size() == 2 else MIN_DOT, triton.next_power_of_2(group))
+    block_m = max(MIN_DOT, triton.next_power_of_2(group))
     B = context_lens.shape[0]
     _grouped_kernel[(H_kv * (B + (T_total - B) // (block_m // group)),)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
