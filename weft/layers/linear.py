@@ -110,8 +110,8 @@ def launch_for(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
                gpu: str | None = None) -> tuple[Tiles, bool]:
     """The tiles and grid for M rows of an [N, K] weight summed in `plan`'s order: on a `gpu` the tuner measured
     (TUNED's "invariant" section), the fastest it found at the least row count it tuned that holds M; past the most
-    it tuned, that count's tiles, whole (a prefill of every prompt at once: the rule of thumb's tiles were 1.2x
-    slower at 4,096 rows on an H100, results/logs/h100_tma_0825603.log, and a split's partials grow with M). Else
+    it tuned, that count's tiles, whole (e8's prefill of every prompt at once, 145k rows: the rule of thumb's tiles
+    took 1.2-1.3x their time, results/logs/h100_e16_prefill_launch_05019be.log; a split's partials grow with M). Else
     the large tiles past the small ones' rows where they fill a wave; else the small ones, which rows that fit one of
     them (a decode's few) run one program per chunk where their tiles alone leave the wave short (and there are
     chunks).
