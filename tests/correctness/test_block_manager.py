@@ -163,3 +163,20 @@ def test_a_windowed_model_holds_only_its_window_and_serves_hfs_tokens():
     assert out.outputs[0].token_ids == want
     assert most <= 16 // 4 + 3  # the window's blocks, the chunk of 8 being filled, and the block ahead of it
     assert engine.blocks.num_free == 32
+
+
+def test_with_roles_a_prompt_never_takes_blocks_of_generated_tokens():
+    """Deterministic mode computes prompt and generated tokens in kernels of their own
+    (AttentionBackend.attends_by_role): a block's hash holds how many of its tokens were generated, so a prompt that
+    repeats another request's prompt and output takes only the blocks of its prompt; the request itself, preempted,
+    takes its own again."""
+    for roles, hits in [(False, 2), (True, 1)]:
+        blocks = BlockManager(16, P, prefix_caching=True, roles=roles)
+        a = seq(list(range(6)))  # its prompt: block 0 whole, block 1 half
+        a.token_ids += [6, 7, 8]  # and three generated tokens: block 1 is half generated
+        table = computed(blocks, a).block_table
+        repeat = seq(list(range(9)))  # all nine as a prompt
+        assert blocks.cached_prefix(repeat) == table[:hits]
+        blocks.release(a)
+        a.num_computed_tokens = 0  # preempted: its recompute takes both blocks
+        assert blocks.cached_prefix(a) == table[:2]

@@ -8,6 +8,7 @@ import torch
 from weft.attention.paged import PagedBackend
 from weft.attention.triton import TritonBackend
 from weft.config import ModelConfig
+from weft.inference.cuda_graphs import DecodeGraphs
 from weft.inference.outputs import RequestMetrics
 from weft.inference.params import SamplingParams
 from weft.inference.runner import ModelRunner
@@ -93,3 +94,35 @@ def test_decodes_sharing_their_first_blocks_reach_the_backend_as_groups():
     alone = ScheduledBatch()
     alone.add(batch.seqs[3], 1)
     assert runner.prepare(alone).tensors.meta.decode_groups is None
+
+
+def test_a_batch_invariant_triton_step_tells_each_requests_prompt_tokens():
+    """Where the backend attends by role (deterministic mode), each request's new tokens that are prompt tokens are
+    sent with the step: a whole prompt, a chunk that ends in the prompt, a chunk past it (a preempted request's
+    recompute), a decode; a step of one-token prompts alone is no decode step for the decode graphs."""
+    attn = TritonBackend(CFG, 64, P, torch.float32, torch.device("cpu"))
+    attn.check_steps = True
+    runner = ModelRunner(model=None, attn=attn, device=torch.device("cpu"))
+    assert not PagedBackend(CFG, 64, P, torch.float32, torch.device("cpu")).attends_by_role
+    attn.batch_invariant = True
+    batch = ScheduledBatch()
+    for i, (n, prompt, computed) in enumerate([(9, 9, 8), (9, 4, 8), (12, 12, 0), (12, 10, 4), (13, 5, 0)]):
+        seq = sequence(i, n, computed)
+        seq.num_prompt_tokens = prompt
+        batch.add(seq, n - computed)
+    meta = runner.prepare(batch).tensors.meta
+    attn.check(meta)
+    assert meta.prompt_tokens.tolist() == [1, 0, 12, 6, 5] and meta.num_prompt_tokens == 24
+    cached = ScheduledBatch()  # a prompt whose tokens but the last the prefix cache held, beside a decode
+    cached.add(batch.seqs[0], 1)
+    cached.add(batch.seqs[1], 1)
+    meta = runner.prepare(cached).tensors.meta
+    assert meta.is_decode and meta.prompt_tokens.tolist() == [1, 0] and meta.num_prompt_tokens == 1
+    graphs = DecodeGraphs.__new__(DecodeGraphs)  # its captures need a GPU; `serves` reads only their sizes
+    graphs.sizes = [1, 2, 4]
+    assert not graphs.serves(meta)
+    meta.prompt_tokens[0], meta.num_prompt_tokens = 0, 0
+    assert graphs.serves(meta)
+    meta.prompt_tokens[1] = 2  # more prompt tokens than new ones
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        attn.check(meta)

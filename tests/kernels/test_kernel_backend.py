@@ -41,11 +41,17 @@ def backend_for(case: PagedCase) -> tuple[TritonBackend, torch.Tensor, torch.Ten
 
 
 def run_step(case: PagedCase, batch_invariant: bool = False) -> torch.Tensor:
-    """One step's forward; `batch_invariant` (EngineConfig.deterministic): decodes too in the grouped kernel."""
+    """One step's forward; `batch_invariant` (EngineConfig.deterministic): decodes too in the grouped kernel, the
+    step's other requests as prompt tokens."""
     backend, k, v = backend_for(case)
     backend.batch_invariant = batch_invariant
-    step = backend.prepare(case.meta())
+    meta = case.meta()
+    if batch_invariant:
+        prompt = case.query_start_loc.diff() * (torch.arange(meta.num_requests) >= meta.num_decodes).to(case.q.device)
+        meta = replace(meta, prompt_tokens=prompt.to(torch.int32), num_prompt_tokens=int(prompt.sum()))
+    step = backend.prepare(meta)
     assert (step.splits is not None) == (step.meta.num_decodes > 0 and not batch_invariant)
+    assert batch_invariant == (step.roles is not None)
     return backend.forward(LAYER, case.q, k, v, step)
 
 

@@ -16,7 +16,7 @@ from tests.kernels.paged_case import (
     reference,
 )
 from tests.kernels.test_gpu_compile import H100_SHARED
-from weft.attention.kernels import grouped_attention, prefill, prefill_attention
+from weft.attention.kernels import grouped_attention, prefill, prefill_attention, token_roles
 from weft.attention.kernels.prefill import KV_TILE_BYTES, kv_tile_tokens
 from weft.attention.kernels.tiles import padded_head_dim
 
@@ -56,17 +56,25 @@ def run_prefill(case, window: int | None = None) -> torch.Tensor:
     )
 
 
-def run_grouped(case, window: int | None = None) -> torch.Tensor:
-    D = case.q.shape[2]
+def run_grouped(case, window: int | None = None, prompt_tokens: list[int] | None = None) -> torch.Tensor:
+    """grouped_attention of every new token, `prompt_tokens` of each request's first ones prompt tokens (none:
+    every token generated)."""
+    D, B, T_total = case.q.shape[2], case.context_lens.shape[0], case.q.shape[0]
+    prompt = torch.tensor(prompt_tokens or [0] * B, dtype=torch.int32, device=case.q.device)
     out = torch.full_like(case.q, float("nan"))
-    return grouped_attention(
-        case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc, case.context_lens, D**-0.5,
-        out, window,
-    )
+    for launch in token_roles(case.query_start_loc, case.context_lens, prompt, sum(prompt_tokens or []), T_total):
+        grouped_attention(case.q, case.k_cache, case.v_cache, case.block_tables, launch, D**-0.5, out, window)
+    return out
 
 
-# Both launches of the kernel's tiles: per query head (prefill_attention), per KV head's group (grouped_attention).
-KERNELS = [run_prefill, run_grouped]
+def run_grouped_prompts(case, window: int | None = None) -> torch.Tensor:
+    """grouped_attention of every new token as a prompt token."""
+    return run_grouped(case, window, case.query_start_loc.diff().tolist())
+
+
+# The launches of the kernel's tiles: per query head (prefill_attention), per KV head's group (grouped_attention) as
+# generated tokens and as prompt tokens (in float32 the same program: on the GPU only).
+KERNELS = [run_prefill, run_grouped, pytest.param(run_grouped_prompts, marks=gpu)]
 
 
 @pytest.mark.parametrize("run", KERNELS)
@@ -110,19 +118,28 @@ STEPS = [
 
 @pytest.mark.parametrize(("group", "D"), [(2, 128), (4, 64), (1, 64), (3, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu)])
-def test_grouped_keeps_each_tokens_bits(device, group, D, dtype):
-    """A token's output is the same bits whichever step computes it: whole, chunked, decoded, beside anything."""
+@pytest.mark.parametrize("prompt_len", [100, pytest.param(0, marks=gpu), pytest.param(160, marks=gpu)])
+def test_grouped_keeps_each_tokens_bits(device, group, D, dtype, prompt_len):
+    """A token's output is the same bits whichever step computes it: whole, chunked, decoded, beside anything. A
+    request of 160 tokens whose first `prompt_len` are its prompt: those are computed as prompt tokens, the rest as
+    generated ones, in every step (in 16-bit the two run other programs: their bits differ)."""
     whole = make_case(2 * group, 2, D, 16, [160], [160], dtype, device, group + D)
-    expected = run_grouped(whole)
+    expected = run_grouped(whole, prompt_tokens=[prompt_len])
     assert_matches(expected, reference(whole, D**-0.5))
+    if dtype != torch.float32 and 0 < prompt_len < 160:
+        as_generated = run_grouped(whole)
+        assert (as_generated[:prompt_len] != expected[:prompt_len]).any(), "the prompt's program is the decodes'"
+        assert torch.equal(as_generated[prompt_len:], expected[prompt_len:])
     for step in STEPS:
         rows = torch.cat([torch.arange(c - t, c) for t, c in step]).to(device)
         starts = torch.tensor([0, *[t for t, _ in step]]).cumsum(0).to(torch.int32).to(device)
+        ends = torch.tensor([c for _, c in step], dtype=torch.int32, device=device)
+        prompt = [max(0, min(c, prompt_len) - (c - t)) for t, c in step]
         out = torch.full_like(whole.q[rows], float("nan"))
-        grouped_attention(
-            whole.q[rows], whole.k_cache, whole.v_cache, whole.block_tables.expand(len(step), -1), starts,
-            torch.tensor([c for _, c in step], dtype=torch.int32, device=device), D**-0.5, out,
-        )
+        prompt_tokens = torch.tensor(prompt, dtype=torch.int32, device=device)
+        for launch in token_roles(starts, ends, prompt_tokens, sum(prompt), len(rows)):
+            grouped_attention(whole.q[rows], whole.k_cache, whole.v_cache, whole.block_tables.expand(len(step), -1),
+                              launch, D**-0.5, out)
         differ = (out != expected[rows]).flatten(1).any(1)
         assert not differ.any(), f"{step}: {int(differ.sum())} of {len(rows)} tokens differ"
 
@@ -164,6 +181,9 @@ def test_grouped_finds_each_request_past_the_first_search_block(device, monkeypa
     q_lens = [1 + (b % 7 == 3) * (b % 20) for b in range(B)]  # decodes, and some short prefills among them
     case = make_case(4, 2, 32, 4, q_lens, [q + b % 5 for b, q in enumerate(q_lens)], torch.float32, device, B)
     assert_matches(run_grouped(case), reference(case, 32**-0.5))
+    # by role: some requests' tokens all prompt, some none (a launch's requests with no tokens), some split
+    prompt = [(q, 0, q // 2)[b % 3] for b, q in enumerate(q_lens)]
+    assert_matches(run_grouped(case, prompt_tokens=prompt), reference(case, 32**-0.5))
 
 
 @pytest.mark.parametrize(("programs", "group", "sms", "block_m"), [

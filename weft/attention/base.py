@@ -50,6 +50,10 @@ class AttentionMetadata:
     # int32 on the device: the step's decodes, requests and what else the backend counts (AttentionBackend.step_counts),
     # where the host ints are the bounds a CUDA graph of mixed steps was planned for; None: the host ints are the step's
     counts: torch.Tensor | None = None
+    # Where the backend attends by role (AttentionBackend.attends_by_role): how many of each request's new tokens, the
+    # first ones, are prompt tokens (the rest are generated ones: decodes, or their recompute after a preemption)
+    prompt_tokens: torch.Tensor | None = None  # [B] int32
+    num_prompt_tokens: int = 0  # their sum (host int; 0 where roles are not told)
 
     @property
     def num_requests(self) -> int:
@@ -124,6 +128,12 @@ class AttentionBackend(ABC, Generic[StepT]):
         """`meta`'s step's counts (AttentionMetadata.counts) for `step`, a mixed steps' CUDA graph's plan
         (`counts_steps`): its decodes, its requests, and what else the backend reads there."""
         return [meta.num_decodes, meta.num_requests]
+
+    @property
+    def attends_by_role(self) -> bool:
+        """Whether prompt tokens and generated ones run kernels of their own, so the step tells them apart
+        (AttentionMetadata.prompt_tokens)."""
+        return False
 
     @property
     def shares_prefixes(self) -> bool:

@@ -10,13 +10,15 @@ model's sliding-window layers both read only the window's keys. Decodes whose ta
 same blocks (a request's n completions, a cached prompt prefix) are grouped, and a first kernel reads
 each group's shared blocks once (weft.attention.kernels.decode.prefix_groups).
 
-Batch-invariant (EngineConfig.deterministic), every request goes to one launch of `grouped_attention`,
-decodes as requests of one new token: one compiled program, a KV head's query heads in its rows, folds
-a query's keys in tiles of the same BLOCK_N from position 0, in order, one query row's sums never touching
-another's; whole-tile and diagonal tiles differ only in a mask of what the row sees, and tiles past the row
-add exact zeros. So a token's output is the same bits whether it is decoded, prefilled whole or in a chunk
-of any size, or follows a cached prefix. The split decode kernel's split count follows the batch, so it is
-not used there; nor are the groups, which follow the batch.
+Batch-invariant (EngineConfig.deterministic), every request goes to `grouped_attention`, decodes as
+requests of one new token: a step's prompt tokens to one launch, its generated tokens (decodes, and their
+recompute after a preemption) to another, each role one compiled program (`grouped_rows`: wide for
+prompts, narrow for decodes), a KV head's query heads in its rows, which folds a query's keys in tiles
+of the same BLOCK_N from position 0, in order, one query row's sums never touching another's; whole-tile
+and diagonal tiles differ only in a mask of what the row sees, and tiles past the row add exact zeros.
+So a token's output is the same bits whether its step decodes it, prefills it whole or in a chunk of any
+size, or after a cached prefix. The split decode kernel's split count follows the batch, so it is not
+used there; nor are the groups, which follow the batch.
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from weft.attention.base import AttentionMetadata
-from weft.attention.kernels import DecodeSplits, decode_attention, grouped_attention, prefill_attention, write_kv
+from weft.attention.kernels import (
+    DecodeSplits,
+    GroupedRows,
+    decode_attention,
+    grouped_attention,
+    prefill_attention,
+    token_roles,
+    write_kv,
+)
 from weft.attention.kernels.decode import (
     TILE_TOKENS,
     SharedPrefixes,
@@ -49,6 +59,7 @@ class TritonStep:
     meta: AttentionMetadata
     splits: DecodeSplits | None  # steps with decodes: the split of their contexts and its scratch
     shared: SharedPrefixes | None  # steps with groups of decodes: the groups and the shared kernel's scratch
+    roles: list[GroupedRows] | None  # batch-invariant: its launches, a role's tokens each
 
 
 class TritonBackend(PagedSlab[TritonStep]):
@@ -75,6 +86,10 @@ class TritonBackend(PagedSlab[TritonStep]):
         return [meta.num_decodes, meta.num_requests, splits]
 
     @property
+    def attends_by_role(self) -> bool:
+        return self.batch_invariant
+
+    @property
     def shares_prefixes(self) -> bool:
         return not self.batch_invariant and max_group_members(self.cfg.H_q, self.cfg.H_kv) > 1
 
@@ -94,8 +109,11 @@ class TritonBackend(PagedSlab[TritonStep]):
                                  tile_options(cache.dtype)[-1])
 
     def plan(self, meta: AttentionMetadata) -> TritonStep:
-        splits = shared = None
-        if meta.num_decodes and not self.batch_invariant:
+        splits = shared = roles = None
+        if self.batch_invariant:
+            roles = token_roles(meta.query_start_loc, meta.context_lens, meta.prompt_tokens, meta.num_prompt_tokens,
+                                meta.slot_mapping.shape[0])
+        elif meta.num_decodes:
             cfg, cache, B = self.cfg, self.kv_cache, meta.num_decodes
             shape = (cfg.H_q, cfg.H_kv, cfg.D, self.block_size, cache.dtype)
             if meta.counts is None:
@@ -106,7 +124,7 @@ class TritonBackend(PagedSlab[TritonStep]):
                 shared = SharedPrefixes.plan(
                     meta.decode_groups, meta.shared_lens, B, *shape, meta.max_context_len, splits.tiles
                 )
-        return TritonStep(meta, splits, shared)
+        return TritonStep(meta, splits, shared, roles)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: TritonStep) -> None:
         self._check_tokens("k", k, self.cfg.H_kv, step.meta)
@@ -124,8 +142,10 @@ class TritonBackend(PagedSlab[TritonStep]):
         # pointers (and Triton's specializations on their alignment) stay the same every step.
         table, ctx = meta.block_tables, meta.context_lens
         window = self.cfg.sliding_window if layer in self.cfg.window_layers else None
-        if self.batch_invariant:
-            return grouped_attention(q, k_cache, v_cache, table, meta.query_start_loc, ctx, self.scale, out, window)
+        if step.roles is not None:
+            for launch in step.roles:
+                grouped_attention(q, k_cache, v_cache, table, launch, self.scale, out, window)
+            return out
         decodes = 0 if step.splits is None else meta.num_decodes
         if decodes:
             decode_attention(q, k_cache, v_cache, table, ctx, self.scale, step.splits, out, window, step.shared,
@@ -175,9 +195,18 @@ class TritonBackend(PagedSlab[TritonStep]):
         decode_q_lens = q_lens[: meta.num_decodes]
         bounds = [table.min(), table.max(), ctx.max(), (ctx - q_lens).min(), q_lens.min(), q_lens.max()]
         bounds += [meta.slot_mapping.min(), meta.slot_mapping.max(), decode_q_lens.ne(1).any()]
-        table_min, table_max, ctx_max, cached_min, q_min, q_max, slot_min, slot_max, decode_not_1 = (
+        prompt = meta.prompt_tokens
+        if self.attends_by_role and (prompt is None or tuple(prompt.shape) != (B,) or prompt.device != device):
+            raise ValueError(f"triton: batch-invariant steps need prompt_tokens [{B}] on {device} (the roles)")
+        if prompt is not None:
+            prompt = prompt.long()
+            bounds += [prompt.min(), (q_lens - prompt).min(), prompt.sum()]
+        table_min, table_max, ctx_max, cached_min, q_min, q_max, slot_min, slot_max, decode_not_1, *roles = (
             torch.stack([x.long() for x in bounds]).tolist()
         )
+        if roles and (roles[0] < 0 or roles[1] < 0 or roles[2] != meta.num_prompt_tokens):
+            raise ValueError(f"triton: prompt_tokens must be each request's first new tokens, 0 to all of them, "
+                             f"{meta.num_prompt_tokens} in all")
         if table_min < 0 or table_max >= N:
             bad = table_min if table_min < 0 else table_max
             raise ValueError(f"triton: block table entry {bad} is outside [0, {N})")

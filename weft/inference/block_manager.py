@@ -16,6 +16,11 @@ until it is handed out again, least recently freed first. What holds of each blo
 | free and empty                     | 0          | yes              | no                               |
 | free, holding a cached prefix      | 0          | yes (LRU order)  | yes, until handed out (evicted)  |
 
+Where prompt tokens and generated ones are computed by kernels of their own (AttentionBackend.attends_by_role, the
+deterministic mode), a block's hash also holds how many of its tokens its request generated: a prompt that repeats
+an earlier request's generated tokens computes them in the prompt's kernels rather than reading them (the same
+request's recompute after a preemption still takes its own).
+
 A block is written only by the request that allocated it, at positions it has not computed yet;
 shared blocks are full and computed, so no request ever writes a block another one reads.
 
@@ -36,11 +41,12 @@ from weft.utils import cdiv
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False,
-                 window: int | None = None) -> None:
+                 window: int | None = None, roles: bool = False) -> None:
         self.num_blocks = num_blocks  # N
         self.block_size = block_size  # P
         self.prefix_caching = prefix_caching
         self.window = window  # W of a model whose every layer attends within a sliding window, else None
+        self.roles = roles  # hashes tell generated tokens from prompt tokens
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # the next handed out first
         self.refs = [0] * num_blocks
         self.cached: dict[int, int] = {}  # block hash -> block
@@ -64,7 +70,7 @@ class BlockManager:
         P, hits, parent = self.block_size, [], None
         for i in range((seq.num_tokens - 1) // P):  # the block of its last token is computed, not taken
             tokens = tuple(seq.token_ids[i * P : (i + 1) * P])
-            h = hash((parent, tokens))
+            h = self._hash(seq, i, parent, tokens)
             block = self.cached.get(h)
             if block is None or self.block_tokens[block] != tokens:
                 break
@@ -119,12 +125,18 @@ class BlockManager:
         P = self.block_size
         for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, len(seq.token_ids)) // P):
             tokens = tuple(seq.token_ids[i * P : (i + 1) * P])
-            h = hash((seq.block_hashes[-1] if i else None, tokens))
+            h = self._hash(seq, i, seq.block_hashes[-1] if i else None, tokens)
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if h not in self.cached and self.block_hash[block] is None:
                 self.cached[h] = block
                 self.block_hash[block], self.block_tokens[block] = h, tokens
+
+    def _hash(self, seq: Sequence, i: int, parent: int | None, tokens: tuple[int, ...]) -> int:
+        """Block i of `seq` (its `tokens`), chained to its parent block's hash; with roles, and tokens `seq` generated
+        in it, their count too."""
+        generated = min(self.block_size, (i + 1) * self.block_size - seq.num_prompt_tokens) if self.roles else 0
+        return hash((parent, tokens, generated)) if generated > 0 else hash((parent, tokens))
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s references; a block no request holds becomes free. Its last blocks are freed first,

@@ -161,7 +161,8 @@ class DecodeGraphs(Generic[StepT]):
         return self.sizes[-1]
 
     def serves(self, meta: AttentionMetadata) -> bool:
-        return meta.is_decode and meta.num_requests <= self.max_batch
+        """Steps of decodes (no prompt token among them, where the backend attends by role)."""
+        return meta.is_decode and not meta.num_prompt_tokens and meta.num_requests <= self.max_batch
 
     @torch.inference_mode()
     def _capture(self) -> None:

@@ -59,7 +59,7 @@ class LLMEngine:
         logger.info("%s: %s", source.name, self.pool.describe(config))
         windowed = source.config.window_layers == tuple(range(source.config.L))  # every layer: blocks fall behind
         self.blocks = BlockManager(self.pool.num_blocks, self.pool.block_size, config.enable_prefix_caching,
-                                   source.config.sliding_window if windowed else None)
+                                   source.config.sliding_window if windowed else None, self.runner.attn.attends_by_role)
         self.scheduler = SCHEDULERS[config.scheduler](
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             self.eos_token_ids,

@@ -46,15 +46,17 @@ class StepLayout:
     max_context_len: int
     num_decodes: int
     num_groups: int  # G: groups of decodes sharing their leading blocks (AttentionBackend.prefix_groups)
+    roles: int  # 1: each request's prompt tokens among its new ones are sent (AttentionBackend.attends_by_role)
+    num_prompt_tokens: int  # their sum
 
     @property
     def sizes(self) -> list[int]:
         """input ids, positions, query starts, context lengths, logit rows, block tables, pending rows and
-        their rows in the last step's ids, the groups and each request's shared tokens (none without groups); then
-        the slots (after the padded parts)."""
+        their rows in the last step's ids, the groups and each request's shared tokens (none without groups), each
+        request's prompt tokens (none without roles); then the slots (after the padded parts)."""
         pending, G = self.num_pending, self.num_groups
         return [self.T_total, self.T_total, self.B + 1, self.B, self.num_sampled + self.num_prompt_rows,
-                self.B * self.width, pending, pending, 3 * G, self.B if G else 0, self.T_total]
+                self.B * self.width, pending, pending, 3 * G, self.B if G else 0, self.B * self.roles, self.T_total]
 
     @property
     def offsets(self) -> list[int]:
@@ -72,7 +74,7 @@ class StepLayout:
 
     def views(self, flat: torch.Tensor) -> StepTensors:
         """The step's tensors, views of `flat` [numel] int64 on the device."""
-        ids, pos, starts, lens, rows, tables, pending_at, pending_from, groups, shared, slots = (
+        ids, pos, starts, lens, rows, tables, pending_at, pending_from, groups, shared, prompt, slots = (
             flat[i : i + n] for i, n in zip(self.offsets, self.sizes, strict=True))
         G = self.num_groups
         meta = AttentionMetadata(
@@ -85,6 +87,8 @@ class StepLayout:
             num_decodes=self.num_decodes,
             decode_groups=groups.view(G, 3).to(torch.int32) if G else None,
             shared_lens=shared.to(torch.int32) if G else None,
+            prompt_tokens=prompt.to(torch.int32) if self.roles else None,
+            num_prompt_tokens=self.num_prompt_tokens,
         )
         return StepTensors(ids, pos, meta, rows, pending_at, pending_from)
 
@@ -107,7 +111,7 @@ class StepLists:
     layout: StepLayout
     parts: tuple[Iterable[int], ...]  # input ids, positions, query starts, context lengths, logit rows, block
     # tables (B rows of `width` blocks; an iterator, which packing reads once), pending rows, their rows in the
-    # last step's ids, the groups, the shared tokens
+    # last step's ids, the groups, the shared tokens, the prompt tokens
     num_new_tokens: list[int]  # T of each request
     sampling: list[Sequence]  # the B' sequences that get a next token
     prompt_targets: list[int]  # the next token of each prompt row
@@ -163,12 +167,13 @@ class Launched:
 def gather(batch: ScheduledBatch, attn: AttentionBackend) -> StepLists:
     """`batch`'s inputs as host lists, from per-request slices; a request whose newest token is still on the
     device (pending) gets a placeholder row, filled on the device when the lists are packed; the decodes' groups
-    as `attn` finds them."""
+    as `attn` finds them, and each request's prompt tokens among its new ones where `attn` attends by role."""
     input_ids: list[int] = []
     positions: list[int] = []
     starts, context_lens, sample_rows, sampling = [0], [], [], []
     prompt_rows, prompt_targets, prompt_owners = [], [], []
     pending_at, pending_rows = [], []  # rows of this step whose token is pending, and its row among those ids
+    roles, prompt_tokens = attn.attends_by_role, []
     for seq, T in zip(batch.seqs, batch.num_new_tokens, strict=True):
         begin, end = seq.num_computed_tokens, seq.num_computed_tokens + T
         if seq.prompt_logprobs is not None:  # rows predicting a prompt token not yet scored
@@ -183,6 +188,8 @@ def gather(batch: ScheduledBatch, attn: AttentionBackend) -> StepLists:
             pending_rows.append(seq.pending_row)
             input_ids.append(0)
         positions += range(begin, end)
+        if roles:
+            prompt_tokens.append(max(0, min(end, seq.num_prompt_tokens) - begin))
         starts.append(starts[-1] + T)
         context_lens.append(end)
         if end == seq.num_tokens:
@@ -195,11 +202,12 @@ def gather(batch: ScheduledBatch, attn: AttentionBackend) -> StepLists:
     for first, members, tokens in zip(groups[::3], groups[1::3], groups[2::3], strict=True):
         shared[first : first + members] = [tokens] * members
     layout = StepLayout(B, T_total, width, len(sample_rows), len(prompt_rows), len(pending_at),
-                        max(batch.num_new_tokens), max(context_lens), num_decodes, len(groups) // 3)
+                        max(batch.num_new_tokens), max(context_lens), num_decodes, len(groups) // 3, int(roles),
+                        sum(prompt_tokens))
     tables = itertools.chain.from_iterable(seq.block_table + [0] * (width - len(seq.block_table))
                                            for seq in batch.seqs)
     parts = (input_ids, positions, starts, context_lens, sample_rows + prompt_rows, tables, pending_at, pending_rows,
-             groups, shared)
+             groups, shared, prompt_tokens)
     return StepLists(layout, parts, batch.num_new_tokens, sampling, prompt_targets, prompt_owners)
 
 

@@ -37,6 +37,7 @@ KV_TILE_BYTES = 128 * 128 * 2
 NUM_STAGES, DEEP_STAGES = 2, 3
 SHARED_SLACK = 1024  # shared memory Triton's launch takes beyond the tiles (a few hundred bytes measured)
 SEARCH = 256  # requests whose first tiles a grouped program compares at once
+PROMPT_ROWS = 64  # a grouped program's rows for 16-bit prompt tokens (grouped_rows)
 
 
 # Values that change from step to step are not specialized on: no recompiling mid-run.
@@ -76,7 +77,7 @@ def _prefill_kernel(
 # The batch's size and the block table's width change from step to step: not specialized on.
 @triton.jit(do_not_specialize=["num_requests", "stride_table"])
 def _grouped_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, query_start_loc_ptr, context_lens_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, starts_ptr, rows_ptr, ends_ptr,
     scale_log2, num_requests,
     stride_qt, stride_qh, stride_qd,
     stride_kn, stride_kp, stride_kh, stride_kd,
@@ -85,11 +86,13 @@ def _grouped_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SEARCH: tl.constexpr, H_KV: tl.constexpr,
 ):
-    # Request b's tiles are first_tile(b) = b + (query_start_loc[b] - b) // TILE_TOKENS on: they rise
-    # with b, leave each request at least the tiles it needs (a decode its one), and end below B +
-    # (T_total - B) // TILE_TOKENS, so the grid is fixed by the step's shape (a CUDA graph's) and no
-    # program is launched per (request, tile) pair that has no tokens. A tile's KV heads are
-    # neighbouring programs: they read neighbouring bytes of each cached token.
+    # Request b's tokens of the launch (GroupedRows) are starts[b] .. starts[b+1]-1 of its own count, none
+    # or more; its tiles are first_tile(b) = b + (starts[b] - b) // TILE_TOKENS on (in non-negative terms,
+    # (starts[b] + b * (TILE_TOKENS - 1)) // TILE_TOKENS): they never fall with b, leave each request
+    # the tiles it needs (a decode its one), and end below B + (tokens - B) // TILE_TOKENS, so the grid
+    # is fixed by the step's shape (a CUDA graph's) and no program is launched per (request, tile) pair
+    # that has no tokens. A tile's KV heads are neighbouring programs: they read neighbouring bytes of
+    # each cached token.
     TILE_TOKENS: tl.constexpr = BLOCK_M // GROUP
     tile = tl.program_id(0) // H_KV
     h_kv = tl.program_id(0) % H_KV
@@ -97,23 +100,23 @@ def _grouped_kernel(
     # and tiles past the last request's first are its: checked with a load its tokens need anyway.
     # Else the request is the last whose first tile is not past the tile, counted SEARCH at a time.
     b = tl.minimum(tile, num_requests - 1)
-    q_start = tl.load(query_start_loc_ptr + b)
-    q_end = tl.load(query_start_loc_ptr + b + 1)
-    if q_start != b:
+    start = tl.load(starts_ptr + b)
+    end = tl.load(starts_ptr + b + 1)
+    if (start != b) | (end == start):
         b = tile * 0 - 1
         for first in range(0, num_requests, SEARCH):
             i = first + tl.arange(0, SEARCH)
-            starts = i + (tl.load(query_start_loc_ptr + i, mask=i < num_requests, other=0) - i) // TILE_TOKENS
+            starts = (tl.load(starts_ptr + i, mask=i < num_requests, other=0) + i * (TILE_TOKENS - 1)) // TILE_TOKENS
             b += tl.sum(((starts <= tile) & (i < num_requests)).to(tl.int32), 0)
-        q_start = tl.load(query_start_loc_ptr + b)
-        q_end = tl.load(query_start_loc_ptr + b + 1)
-    q_len = q_end - q_start
-    first_token = (tile - b - (q_start - b) // TILE_TOKENS) * TILE_TOKENS
+        start = tl.load(starts_ptr + b)
+        end = tl.load(starts_ptr + b + 1)
+    q_len = end - start
+    first_token = (tile - (start + b * (TILE_TOKENS - 1)) // TILE_TOKENS) * TILE_TOKENS
     if first_token < q_len:
         _attend_tile(
-            q_ptr, k_ptr, v_ptr, out_ptr, table_ptr + b * stride_table, tl.load(context_lens_ptr + b), scale_log2,
-            q_start, q_len, first_token, h_kv, stride_qt, stride_qh, stride_qd, stride_kn, stride_kp, stride_kh,
-            stride_kd, stride_ot, stride_oh, stride_od, GROUP, D, D_PAD, P, BLOCK_M, BLOCK_N, WINDOW,
+            q_ptr, k_ptr, v_ptr, out_ptr, table_ptr + b * stride_table, tl.load(ends_ptr + b), scale_log2,
+            tl.load(rows_ptr + b), q_len, first_token, h_kv, stride_qt, stride_qh, stride_qd, stride_kn, stride_kp,
+            stride_kh, stride_kd, stride_ot, stride_oh, stride_od, GROUP, D, D_PAD, P, BLOCK_M, BLOCK_N, WINDOW,
         )
 
 
@@ -281,28 +284,69 @@ def gpu_limits(device: torch.device) -> tuple[int, int]:
     return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@dataclass(frozen=True)
+class GroupedRows:
+    """The tokens of a step that one launch of `grouped_attention` computes: request b's starts[b+1] - starts[b] of
+    them (none or more) are its last new tokens of one role, rows rows[b] on of q and out, the last at position
+    ends[b] - 1. Prompt tokens and generated ones (AttentionMetadata.prompt_tokens) run programs of their own rows
+    (`grouped_rows`), each role always the same."""
+
+    starts: torch.Tensor  # [B+1] int32: prefix sums of each request's tokens in the launch
+    rows: torch.Tensor  # [>= B] int32: the row of q and out of each request's first one
+    ends: torch.Tensor  # [B] int32: the position after each request's last one
+    tokens: int  # host int: starts[B]
+    prompt: bool  # whether they are prompt tokens
+
+
+def token_roles(query_start_loc: torch.Tensor, context_lens: torch.Tensor, prompt_tokens: torch.Tensor | None,
+                num_prompt_tokens: int, T_total: int) -> list[GroupedRows]:
+    """A step's launches (query_start_loc [B+1], context_lens [B] int32, as AttentionMetadata's): its prompt tokens
+    (`prompt_tokens` [B] int32 of each request's new tokens, the first ones; their sum `num_prompt_tokens`), then
+    its generated ones; one launch where the step has one role only. No host sync: it may be captured."""
+    if num_prompt_tokens in (0, T_total):
+        return [GroupedRows(query_start_loc, query_start_loc, context_lens, T_total, num_prompt_tokens > 0)]
+    generated = query_start_loc.diff() - prompt_tokens
+    zero = query_start_loc[:1]
+    return [
+        GroupedRows(torch.cat([zero, prompt_tokens.cumsum(0, dtype=torch.int32)]), query_start_loc,
+                    context_lens - generated, num_prompt_tokens, True),
+        GroupedRows(torch.cat([zero, generated.cumsum(0, dtype=torch.int32)]), query_start_loc[:-1] + prompt_tokens,
+                    context_lens, T_total - num_prompt_tokens, False),
+    ]
+
+
+def grouped_rows(group: int, element_size: int, prompt: bool) -> int:
+    """Query rows a program of `grouped_attention` holds: a KV head's `group` query heads of one or more tokens.
+
+    Generated tokens (decodes, and their recompute after a preemption) take the fewest tl.dot takes, so a decode's
+    group wastes few; 16-bit prompt tokens take PROMPT_ROWS, a warpgroup's MMA whose warps each hold whole rows, so a
+    prompt's tile carries PROMPT_ROWS // group tokens. The two programs sum a row's probabilities in other orders
+    (results/logs/h100_grouped_rows_c189b3a.log), so a token's role, not its step, picks its program.
+    """
+    rows = PROMPT_ROWS if prompt and element_size == 2 else MIN_DOT
+    return max(rows, triton.next_power_of_2(group))
+
+
 def grouped_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float, out: torch.Tensor,
-    window: int | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, launch: GroupedRows,
+    scale: float, out: torch.Tensor, window: int | None = None,
 ) -> torch.Tensor:
     """`prefill_attention` (q [T_total, H_q, D] over k_cache/v_cache [N, P, H_kv, D] -> out [T_total, H_q, D]) of
-    every request, decodes included, with a KV head's GQA group in a program's rows.
+    `launch`'s tokens of every request, decodes included, with a KV head's GQA group in a program's rows.
 
-    One compiled program serves a decode (its one token's GROUP heads) and a prefill (BLOCK_M // GROUP
-    tokens of them) alike, so a token's sums run through the same instructions in the same order
-    however it is computed: the batch-invariant path (EngineConfig.deterministic). The rows and
-    tiles are the split decode kernel's (a K/V tile read once for the group; 16 rows, the fewest
-    tl.dot takes), which a batch of decodes, the bulk of a serving step, is bound by.
+    One compiled program per role serves a token however its step holds it (a decode, a prefill, a chunk, after a
+    cached prefix, beside anything), so its sums run through the same instructions in the same order: the
+    batch-invariant path (EngineConfig.deterministic). The key tiles are the split decode kernel's (a K/V tile read
+    once for the group).
     """
-    T_total, H_q, D = q.shape
+    _, H_q, D = q.shape
     _, P, H_kv, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride()
     group = H_q // H_kv
-    block_m = max(MIN_DOT, triton.next_power_of_2(group))
-    B = context_lens.shape[0]
-    _grouped_kernel[(H_kv * (B + (T_total - B) // (block_m // group)),)](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
+    block_m = grouped_rows(group, q.element_size(), launch.prompt)
+    B, tile_tokens = launch.ends.shape[0], block_m // group
+    _grouped_kernel[(H_kv * ((launch.tokens + B * (tile_tokens - 1)) // tile_tokens),)](
+        q, k_cache, v_cache, out, block_tables, launch.starts, launch.rows, launch.ends,
         scale * LOG2E, B,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=group, D=D, D_PAD=padded_head_dim(D), P=P, BLOCK_M=block_m, BLOCK_N=SHALLOW_TILES.block_n,
