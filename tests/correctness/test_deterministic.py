@@ -8,8 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+import weft.attention.triton
 from tests.serve.servers import weft_server
-from weft import LLM
+from weft import LLM, SamplingParams
 from weft.cli import engine_flags
 from weft.conformance import deterministic_cases, hf_greedy, run_case
 from weft.determinism import completion, determinism_params, determinism_prompts, run_gate
@@ -32,6 +33,42 @@ def test_every_request_keeps_its_bits_on_the_cpu(attention, dtype):
     assert [(r.label, r.identical, r.first_difference) for r in results] == [
         (r.label, CPU_PROMPTS, None) for r in results]
     assert results[-1].preemptions > 0 or attention == "contiguous"  # the small pool preempted (a row never does)
+
+
+def test_each_token_keeps_its_role_on_the_cpu(monkeypatch):
+    """On CUDA a prompt token and a generated one run programs of their own (`grouped_rows`), which float32 in the
+    interpreter cannot tell apart: here the prompt tokens' launches scale their scores by 1 + 2^-6, so a token
+    computed in the other role's launch changes its request's bits. Alone, from the prefix cache, as a conversation's
+    next turn (its first turn's output now a prompt: computed again, not read from the cache, or it would differ, as
+    the control without roles in the cache's hashes shows), together, in chunks of 7."""
+    launch = weft.attention.triton.grouped_attention
+
+    def scaled(q, k_cache, v_cache, table, rows, scale, out, window=None):
+        return launch(q, k_cache, v_cache, table, rows, scale * (1 + 2**-6 * rows.prompt), out, window)
+
+    monkeypatch.setattr("weft.attention.triton.grouped_attention", scaled)
+    monkeypatch.setattr("weft.inference.config.available_backends", lambda device=None: ["triton"])
+    options = dict(attention="triton", dtype="float32", device="cpu", deterministic=True, block_size=16)
+    # 25-31 tokens: a first turn's second block holds prompt and generated tokens, and is cached full
+    prompts = determinism_prompts(resolve_model("tiny-qwen3").config.V, 3, (25, 31))
+    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=0, temperature=0.0)
+
+    def each(llm: LLM, prompts: list[list[int]]) -> list:
+        return [completion(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
+
+    with LLM("tiny-qwen3", enable_prefix_caching=False, **options) as llm:
+        alone = each(llm, prompts)
+        turns = [p + list(tokens) for p, (tokens, _) in zip(prompts, alone, strict=True)]
+        expected = alone + each(llm, turns)
+    for roles in (True, False):
+        with LLM("tiny-qwen3", **options) as llm:
+            llm.llm_engine.blocks.roles = roles
+            got = each(llm, prompts + prompts + turns)
+        same = [a == b for a, b in zip(expected + expected[:3], got[3:] + got[:3], strict=True)]
+        assert all(same) == roles, (roles, same)
+    with LLM("tiny-qwen3", max_num_batched_tokens=7, **options) as llm:
+        together = [completion(o) for o in llm.generate(prompts + turns, params, use_tqdm=False)]
+    assert together == expected
 
 
 def alike_alone_and_together(model, options, count, lengths, max_tokens) -> int:

@@ -196,8 +196,9 @@ class TritonBackend(PagedSlab[TritonStep]):
         bounds = [table.min(), table.max(), ctx.max(), (ctx - q_lens).min(), q_lens.min(), q_lens.max()]
         bounds += [meta.slot_mapping.min(), meta.slot_mapping.max(), decode_q_lens.ne(1).any()]
         prompt = meta.prompt_tokens
-        if self.attends_by_role and (prompt is None or tuple(prompt.shape) != (B,) or prompt.device != device):
-            raise ValueError(f"triton: batch-invariant steps need prompt_tokens [{B}] on {device} (the roles)")
+        if self.attends_by_role and (prompt is None or tuple(prompt.shape) != (B,) or prompt.device != device
+                                     or prompt.dtype != torch.int32):
+            raise ValueError(f"triton: batch-invariant steps need prompt_tokens [{B}] int32 on {device} (the roles)")
         if prompt is not None:
             prompt = prompt.long()
             bounds += [prompt.min(), (q_lens - prompt).min(), prompt.sum()]

@@ -87,12 +87,12 @@ def _grouped_kernel(
     BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SEARCH: tl.constexpr, H_KV: tl.constexpr,
 ):
     # Request b's tokens of the launch (GroupedRows) are starts[b] .. starts[b+1]-1 of its own count, none
-    # or more; its tiles are first_tile(b) = b + (starts[b] - b) // TILE_TOKENS on (in non-negative terms,
-    # (starts[b] + b * (TILE_TOKENS - 1)) // TILE_TOKENS): they never fall with b, leave each request
-    # the tiles it needs (a decode its one), and end below B + (tokens - B) // TILE_TOKENS, so the grid
-    # is fixed by the step's shape (a CUDA graph's) and no program is launched per (request, tile) pair
-    # that has no tokens. A tile's KV heads are neighbouring programs: they read neighbouring bytes of
-    # each cached token.
+    # or more; its tiles are first_tile(b) = (starts[b] + b * (TILE_TOKENS - 1)) // TILE_TOKENS on (every
+    # term >= 0: Triton's integer division truncates on the GPU and floors in the interpreter): they never
+    # fall with b, leave each request the tiles it needs (a decode its one), and end below
+    # (tokens + B * (TILE_TOKENS - 1)) // TILE_TOKENS, so the grid is fixed by the step's shape (a CUDA
+    # graph's) and no program is launched per (request, tile) pair that has no tokens. A tile's KV heads
+    # are neighbouring programs: they read neighbouring bytes of each cached token.
     TILE_TOKENS: tl.constexpr = BLOCK_M // GROUP
     tile = tl.program_id(0) // H_KV
     h_kv = tl.program_id(0) % H_KV
