@@ -50,7 +50,7 @@ def test_each_token_keeps_its_role_on_the_cpu(monkeypatch):
     monkeypatch.setattr("weft.inference.config.available_backends", lambda device=None: ["triton"])
     options = dict(attention="triton", dtype="float32", device="cpu", deterministic=True, block_size=16)
     # 25-31 tokens: a first turn's second block holds prompt and generated tokens, and is cached full
-    prompts = determinism_prompts(resolve_model("tiny-qwen3").config.V, 3, (25, 31))
+    prompts = determinism_prompts(resolve_model("tiny-qwen3").config.V, 2, (25, 31))
     params = SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=0, temperature=0.0)
 
     def each(llm: LLM, prompts: list[list[int]]) -> list:
@@ -64,7 +64,7 @@ def test_each_token_keeps_its_role_on_the_cpu(monkeypatch):
         with LLM("tiny-qwen3", **options) as llm:
             llm.llm_engine.blocks.roles = roles
             got = each(llm, prompts + prompts + turns)
-        same = [a == b for a, b in zip(expected + expected[:3], got[3:] + got[:3], strict=True)]
+        same = [a == b for a, b in zip(expected + expected[:2], got[2:] + got[:2], strict=True)]
         assert all(same) == roles, (roles, same)
     with LLM("tiny-qwen3", max_num_batched_tokens=7, **options) as llm:
         together = [completion(o) for o in llm.generate(prompts + turns, params, use_tqdm=False)]
