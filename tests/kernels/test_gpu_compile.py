@@ -19,7 +19,7 @@ POINTERS = {"ids_ptr": "*i64", "pairs_ptr": "*i64", "block_expert_ptr": "*i64", 
             "counts_ptr": "*i32", "table_ptr": "*i32", "context_lens_ptr": "*i32", "arrivals_ptr": "*i32",
             "shared_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32",
             "shared_o_ptr": "*fp32", "shared_lse_ptr": "*fp32", "partials_ptr": "*fp32",
-            "slots_ptr": "*i64"}  # every other pointer: bf16
+            "slots_ptr": "*i64", "starts_ptr": "*i32", "rows_ptr": "*i32", "ends_ptr": "*i32"}  # every other: bf16
 SCALARS = {"scale_log2": "fp32", "eps": "fp32"}  # every other scalar: i32
 H100_SHARED = 232448  # the shared memory a block may have on an H100 or H200 (bytes): what a launch must fit
 
@@ -29,7 +29,8 @@ def kernels() -> list[tuple[object, dict[str, object]]]:
     2048, 128 experts, top 8), the attention kernels counted, for Qwen3-0.6B's heads (16 and 8 of 128), and the
     linear layers' matmul: whole K in a loop per chunk with the widest tile in steps of 64 (its operands read by
     pointers and by tensor descriptors), split, and split with RoPE after it (heads of 128); the prefill's launches
-    with 16-bit tiles three stages deep, of 128 rows and of a small grid's 64."""
+    with 16-bit tiles three stages deep, of 128 rows and of a small grid's 64; the batch-invariant attention's programs
+    for generated tokens and for prompt tokens."""
     from weft.attention.kernels import decode, prefill
     from weft.layers import linear, moe
 
@@ -68,6 +69,10 @@ def kernels() -> list[tuple[object, dict[str, object]]]:
                                          num_stages=prefill.DEEP_STAGES))
           for block_m, warps in ((prefill.BLOCK_M, prefill.NUM_WARPS),
                                  (prefill.SMALL_BLOCK_M, prefill.SMALL_NUM_WARPS))),
+        *((prefill._grouped_kernel, dict(GROUP=2, D=128, D_PAD=128, P=16, BLOCK_M=prefill.grouped_rows(2, 2, prompt),
+                                         BLOCK_N=decode.SHALLOW_TILES.block_n, WINDOW=0, SEARCH=prefill.SEARCH, H_KV=8,
+                                         num_warps=decode.NUM_WARPS, num_stages=decode.SHALLOW_TILES.num_stages))
+          for prompt in (False, True)),
     ]
 
 
