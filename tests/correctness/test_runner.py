@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -126,3 +128,5 @@ def test_a_batch_invariant_triton_step_tells_each_requests_prompt_tokens():
     meta.prompt_tokens[1] = 2  # more prompt tokens than new ones
     with pytest.raises(ValueError, match="prompt_tokens"):
         attn.check(meta)
+    with pytest.raises(ValueError, match="prompt_tokens"):  # prompt tokens counted, but not told whose
+        attn.check(replace(meta, prompt_tokens=None, num_prompt_tokens=1))

@@ -195,10 +195,11 @@ class TritonBackend(PagedSlab[TritonStep]):
         decode_q_lens = q_lens[: meta.num_decodes]
         bounds = [table.min(), table.max(), ctx.max(), (ctx - q_lens).min(), q_lens.min(), q_lens.max()]
         bounds += [meta.slot_mapping.min(), meta.slot_mapping.max(), decode_q_lens.ne(1).any()]
-        prompt = meta.prompt_tokens
-        if self.attends_by_role and (prompt is None or tuple(prompt.shape) != (B,) or prompt.device != device
-                                     or prompt.dtype != torch.int32):
-            raise ValueError(f"triton: batch-invariant steps need prompt_tokens [{B}] int32 on {device} (the roles)")
+        prompt = meta.prompt_tokens  # None: every new token a generated one (token_roles)
+        if (prompt is None and meta.num_prompt_tokens) or (prompt is not None and (
+                tuple(prompt.shape) != (B,) or prompt.device != device or prompt.dtype != torch.int32)):
+            raise ValueError(f"triton: {meta.num_prompt_tokens} prompt tokens need prompt_tokens [{B}] int32 on "
+                             f"{device} (the roles)")
         if prompt is not None:
             prompt = prompt.long()
             bounds += [prompt.min(), (q_lens - prompt).min(), prompt.sum()]
