@@ -126,6 +126,8 @@ def test_grouped_keeps_each_tokens_bits(device, group, D, dtype, prompt_len):
     whole = make_case(2 * group, 2, D, 16, [160], [160], dtype, device, group + D)
     expected = run_grouped(whole, prompt_tokens=[prompt_len])
     assert_matches(expected, reference(whole, D**-0.5))
+    if 0 < prompt_len < 160:  # the generated tokens' bits are the same beside their prompt's launch as without it
+        assert torch.equal(run_grouped(whole)[prompt_len:], expected[prompt_len:])
     for step in STEPS:
         rows = torch.cat([torch.arange(c - t, c) for t, c in step]).to(device)
         starts = torch.tensor([0, *[t for t, _ in step]]).cumsum(0).to(torch.int32).to(device)
@@ -150,15 +152,15 @@ def test_token_roles_sends_each_token_to_its_role(step, prompt_len):
     ends = torch.tensor([c for _, c in step], dtype=torch.int32)
     prompt = [max(0, min(c, prompt_len) - (c - t)) for t, c in step]
     launches = token_roles(starts, ends, torch.tensor(prompt, dtype=torch.int32), sum(prompt), int(starts[-1]))
-    got = set()
+    got = []
     for launch in launches:
         assert launch.tokens == int(launch.starts[-1])
         for b in range(len(step)):
             n = int(launch.starts[b + 1] - launch.starts[b])
-            got |= {(int(launch.rows[b]) + i, int(launch.ends[b]) - n + i, launch.prompt) for i in range(n)}
-    expected = {(int(starts[b]) + i, c - t + i, c - t + i < prompt_len)
-                for b, (t, c) in enumerate(step) for i in range(t)}
-    assert got == expected
+            got += [(int(launch.rows[b]) + i, int(launch.ends[b]) - n + i, launch.prompt) for i in range(n)]
+    expected = [(int(starts[b]) + i, c - t + i, c - t + i < prompt_len)
+                for b, (t, c) in enumerate(step) for i in range(t)]
+    assert sorted(got) == expected  # a token twice, or in no launch, fails too
     assert len(launches) == len({role for *_, role in expected})
 
 
@@ -169,7 +171,7 @@ def test_grouped_roles_round_apart():
     case = make_case(32, 8, 128, 16, GPU_Q_LENS, GPU_CTX_LENS, torch.bfloat16, "cuda", 7)
     as_prompts, as_generated = run_grouped_prompts(case), run_grouped(case)
     assert_matches(as_prompts, reference(case, 128**-0.5))
-    assert (as_prompts != as_generated).flatten(1).any(1).any()
+    assert (as_prompts != as_generated).any()
 
 
 @interpreter_only
