@@ -122,7 +122,7 @@ STEPS = [
 def test_grouped_keeps_each_tokens_bits(device, group, D, dtype, prompt_len):
     """A token's output is the same bits whichever step computes it: whole, chunked, decoded, beside anything. A
     request of 160 tokens whose first `prompt_len` are its prompt: those are computed as prompt tokens, the rest as
-    generated ones, in every step (in 16-bit the two run other programs: their bits differ)."""
+    generated ones, in every step (in 16-bit the two run other programs, whose bits may differ)."""
     whole = make_case(2 * group, 2, D, 16, [160], [160], dtype, device, group + D)
     expected = run_grouped(whole, prompt_tokens=[prompt_len])
     assert_matches(expected, reference(whole, D**-0.5))
