@@ -11,6 +11,14 @@ SUPPORTED_ARCHITECTURES = {
 }  # fmt: skip
 
 
+def check_architecture(model_type: str | None) -> None:
+    """A ValueError naming the architectures weft serves, for a `model_type` not among them."""
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {model_type!r}: weft supports {', '.join(SUPPORTED_ARCHITECTURES.values())}"
+        )
+
+
 @dataclass(frozen=True)
 class Llama3Rope:
     """Llama 3.1's RoPE frequency scaling (rope_type "llama3"): wavelengths longer than
@@ -64,10 +72,7 @@ class ModelConfig:
         """Reads a transformers Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE config; any other is a ValueError naming
         the ones weft serves."""
         arch = hf_config.model_type
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}: weft supports {', '.join(SUPPORTED_ARCHITECTURES.values())}"
-            )
+        check_architecture(arch)
         rope = dict(getattr(hf_config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")
         if rope_type not in ("default", "llama3"):

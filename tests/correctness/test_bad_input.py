@@ -7,15 +7,18 @@ give the tokens a plain list of ints gives.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from weft import LLM, SamplingParams
+from weft.config import SUPPORTED_ARCHITECTURES
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available, reference_model, resolve_model
 
 pytestmark = pytest.mark.correctness
@@ -268,7 +271,15 @@ def test_checkpoint_directories_without_what_weft_needs(tmp_path, device):
         LLM(str(tmp_path), device=device)
 
 
-def test_unsupported_architecture_names_the_supported_ones():
+SUPPORTED = ".*".join(SUPPORTED_ARCHITECTURES.values())
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match=f"unsupported architecture 'gpt2': weft supports {SUPPORTED}"):
         LLM(gpt2)
+    # a checkpoint of a model_type transformers itself does not know: weft's error, not transformers'
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "made_up_arch", "hidden_size": 32}))
+    save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"unsupported architecture 'made_up_arch': weft supports {SUPPORTED}"):
+        LLM(str(tmp_path))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from weft.config import ModelConfig
+from weft.config import ModelConfig, check_architecture
 from weft.models import build_model
 from weft.models.weights import checkpoint_layout, load_weights, random_weights
 
@@ -248,6 +248,8 @@ def _checkpoint(path: Path, name: str) -> ModelSource:
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a HF checkpoint directory: it has no config.json")
     _weight_files(path)  # refuses a directory without its weights before anything is read
+    # before transformers reads it: a model_type transformers does not know would be its error, not weft's
+    check_architecture(json.loads((path / "config.json").read_text()).get("model_type"))
     hf_config = AutoConfig.from_pretrained(path)
     config = ModelConfig.from_hf(hf_config)  # refuses other architectures before anything is loaded
     tokenizer = None

@@ -78,10 +78,11 @@ def _unfused(name: str, shape: tuple[int, ...], tp: TensorParallel) -> Slot:
 def load_weights(
     model: nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], tp: TensorParallel = SINGLE
 ) -> None:
-    """Copy each (HF name, tensor), or `tp`'s slice of it, into `model`; a missing or misshapen weight is a
-    ValueError.
+    """Copy each (HF name, tensor), or `tp`'s slice of it, into `model`; a missing or misshapen weight, or a tensor
+    `cfg` has no place for (q/k/v biases a config without them, a layer or an expert past its count), is a
+    ValueError naming it.
 
-    Names `model` does not use (a tied lm_head's copy, rotary tables of old checkpoints) are skipped.
+    A tied lm_head's copy of the embedding and old checkpoints' rotary tables are skipped: weft derives both.
     """
     layout = checkpoint_layout(model, cfg, tp)
     params = dict(model.named_parameters())
@@ -92,7 +93,9 @@ def load_weights(
             slot, expert, stacked = found
             pieces[stacked] += 1
         if slot is None:
-            continue
+            if (name == "lm_head.weight" and cfg.tie_word_embeddings) or name.endswith(".rotary_emb.inv_freq"):
+                continue
+            raise ValueError(f"{name}: the checkpoint holds a tensor this {cfg.arch} config has no place for")
         if tuple(tensor.shape) != slot.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != weft's {slot.shape}")
         piece = slot.take(tensor)
