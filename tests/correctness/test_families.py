@@ -16,8 +16,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from tests.correctness.test_token_exact import check
+from tests.kernels.paged_case import assert_matches, make_case, reference
 from weft import LLM, SamplingParams
-from weft.attention import available_backends
+from weft.attention import available_backends, get_backend
+from weft.attention.padded import attend_padded, plan_padded
 from weft.benchmark.peer import write_checkpoint
 from weft.config import ModelConfig
 from weft.conformance import CHUNK, Case
@@ -93,6 +95,37 @@ def test_windows_are_read_from_the_config_and_attended_within_beyond_their_lengt
             assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want, attention
 
 
+@pytest.mark.parametrize("window", [16, 100])
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "invariant"])
+def test_the_paged_backend_reads_only_the_window(window, batch_invariant):
+    """A window layer of the paged backend reads each request's blocks from the one holding its first new token's
+    first key: the blocks before it NaN (a request's table padded with its last block), its output is finite and
+    the float64 reference's; batch-invariant, the same bits as with every key read (the window's masks alone)."""
+    case = make_case(4, 2, 64, 16, [1, 150, 40, 7], [90, 150, 400, 7], torch.float32, "cpu", window)
+    case.k_cache.nan_to_num_(), case.v_cache.nan_to_num_()
+    N, P, H_kv, D = case.k_cache.shape
+    cfg = ModelConfig(arch="mistral", V=32, E=4 * D, L=1, H_q=4, H_kv=H_kv, D=D, intermediate=32, rms_eps=1e-6,
+                      rope_theta=1e4, max_model_len=1024, tie_word_embeddings=False, sliding_window=window,
+                      window_layers=(0,))
+    backend = get_backend("paged")(cfg, N, P, torch.float32, torch.device("cpu"))
+    backend.batch_invariant = batch_invariant
+    for b, c in enumerate(case.context_lens.tolist()):
+        case.block_tables[b, -(-c // P):] = case.block_tables[b, -(-c // P) - 1]
+    meta = case.meta()
+    backend.kv_cache[0, 0], backend.kv_cache[1, 0] = case.k_cache, case.v_cache
+    step = backend.plan(meta)
+    every_key = attend_padded(  # the blocks up to the longest context, gathered whole, as the other layers read them
+        case.q, *(c[case.block_tables.long()].flatten(1, 2)[:, :meta.max_context_len].transpose(1, 2)
+                  for c in (case.k_cache, case.v_cache)), plan_padded(meta, window), D**-0.5, None, True,
+        batch_invariant)
+    for b, (c, t) in enumerate(zip(case.context_lens.tolist(), meta.query_start_loc.diff().tolist(), strict=True)):
+        unseen = case.block_tables[b, : max(c - t - window + 1, 0) // P].long()
+        backend.kv_cache[:, 0, unseen] = float("nan")
+    out = backend.attend(0, case.q, step)
+    assert_matches(out, reference(case, D**-0.5, window))
+    assert torch.equal(out, every_key) or not batch_invariant
+
+
 @pytest.fixture(params=FAMILIES)
 def checkpoint(request, tmp_path):
     """A family's seeded weights as a user's checkpoint: in shards, with a word-level tokenizer of "t<id>" words,
@@ -133,12 +166,26 @@ def test_a_checkpoint_directory_serves_as_hf_loads_it(checkpoint, device):
 
 
 def test_a_checkpoint_missing_a_shard_or_unlike_its_config_is_refused_by_name(checkpoint, device):
-    broken = checkpoint.parent / "broken"
-    shutil.copytree(checkpoint, broken)
-    config = json.loads((broken / "config.json").read_text())
-    (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
+    config = json.loads((checkpoint / "config.json").read_text())
+
+    def unlike(name: str, **changes) -> str:  # a copy of the checkpoint whose config.json is changed
+        broken = checkpoint.parent / name
+        shutil.copytree(checkpoint, broken)
+        (broken / "config.json").write_text(json.dumps({**config, **changes}))
+        return str(broken)
+
+    wider = unlike("wider", intermediate_size=config["intermediate_size"] + 8)
     with pytest.raises(ValueError, match=r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight: checkpoint shape"):
-        LLM(str(broken), device=device)
+        LLM(wider, device=device)
+    last = config["num_hidden_layers"] - 1  # a config of one layer fewer: the last layer's tensors have no place
+    fewer = {key: config[key][:last] for key in ("layer_types",) if key in config}  # Qwen2's: one per layer
+    shallower = unlike("shallower", num_hidden_layers=last, **fewer)
+    with pytest.raises(ValueError, match=rf"model\.layers\.{last}\..*: the checkpoint holds a tensor this \w+ config "
+                                         "has no place for"):
+        LLM(shallower, device=device)
+    if checkpoint.name == "tiny-qwen2":  # its q/k/v biases, in a config that says Llama (which has none)
+        with pytest.raises(ValueError, match=r"\.(q|k|v)_proj\.bias: the checkpoint holds a tensor this llama config"):
+            LLM(unlike("as-llama", model_type="llama", architectures=["LlamaForCausalLM"]), device=device)
     shard = sorted(set(json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"].values()))[1]
     (checkpoint / shard).unlink()
     with pytest.raises(ValueError, match=f"model.safetensors.index.json lists {shard}, which is not in the directory"):

@@ -32,12 +32,18 @@ class PaddedStep:
     token_request: torch.Tensor  # [T_total] int64: request b of each new token
     token_index: torch.Tensor  # [T_total] int64: its row i among request b's T_b new tokens
     mask: torch.Tensor  # [B, 1, T_max, S] bool: query i of request b may see key j
-    window_mask: torch.Tensor | None  # the same within the model's sliding window, for the layers that have one
+    # the same within the model's sliding window, for the layers that have one: [B, 1, T_max, S] over positions from
+    # 0, or [B, 1, T_max, S_w] over the keys a paged backend gathers from window_start
+    window_mask: torch.Tensor | None
+    window_slots: torch.Tensor | None = None  # [B, S_w] int64: the paged slab's rows of those keys
 
 
-def plan_padded(meta: AttentionMetadata, window: int | None = None) -> PaddedStep:
+def plan_padded(
+    meta: AttentionMetadata, window: int | None = None, window_start: torch.Tensor | None = None, window_keys: int = 0
+) -> PaddedStep:
     """The step's padding and masks; `window`: the keys a query sees at most, itself included (HF's sliding
-    window: key j is seen from position p when p - window < j <= p)."""
+    window: key j is seen from position p when p - window < j <= p); `window_start` [B] int64: the position of the
+    first of the `window_keys` keys request b's window layers read (None: every key from 0)."""
     starts = meta.query_start_loc.long()
     q_lens = starts[1:] - starts[:-1]  # [B]
     B, T_total = meta.num_requests, meta.slot_mapping.shape[0]
@@ -48,10 +54,18 @@ def plan_padded(meta: AttentionMetadata, window: int | None = None) -> PaddedSte
     i = torch.arange(meta.max_query_len, device=device)
     j = torch.arange(meta.max_context_len, device=device)
     last_visible = (ctx - q_lens)[:, None] + i[None, :]  # [B, T_max]: position of query row i
-    mask = (j[None, None, :] <= last_visible[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
-    window_mask = None if window is None else mask & (j[None, None, :] > last_visible[:, :, None] - window)
-    return PaddedStep(meta, token_request, token_index, mask[:, None],
-                      None if window_mask is None else window_mask[:, None])
+    mask, window_mask = visible(j[None], last_visible, ctx), None
+    if window is not None:
+        keys = j[None] if window_start is None else window_start[:, None] + torch.arange(window_keys, device=device)
+        window_mask = visible(keys, last_visible, ctx) & (keys[:, None, :] > last_visible[:, :, None] - window)
+        window_mask = window_mask[:, None]
+    return PaddedStep(meta, token_request, token_index, mask[:, None], window_mask)
+
+
+def visible(keys: torch.Tensor, last_visible: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    """keys [B or 1, S] (positions), last_visible [B, T_max], ctx [B] -> [B, T_max, S] bool: each query row sees
+    the key (it is in the cache and not after the query)."""
+    return (keys[:, None, :] <= last_visible[:, :, None]) & (keys[:, None, :] < ctx[:, None, None])
 
 
 def attend_padded(
