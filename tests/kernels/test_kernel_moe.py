@@ -139,21 +139,22 @@ def test_pairs_are_grouped_by_expert_in_padded_blocks(device, T, N, k, M):
     assert (block_expert[:-1] <= block_expert[1:]).all()
 
 
+@pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renormalised", "as-routed"])
 @pytest.mark.parametrize("tokens", [1, 11])  # few pairs (`pair_experts`) and pairs grouped by expert
-def test_sparse_moe_is_hfs_block(monkeypatch, device, tokens):
-    """Routing (softmax, top-k, renormalised) and the experts, in PyTorch ops (on the CPU) and through the kernels
-    (on the CPU in the interpreter), against HF's block with the same weights, in float32."""
+def test_sparse_moe_is_hfs_block(monkeypatch, device, tokens, norm_topk_prob):
+    """Routing (softmax, top-k, renormalised or not as the config says) and the experts, in PyTorch ops (on the CPU)
+    and through the kernels (on the CPU in the interpreter), against HF's block with the same weights, in float32."""
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     config = AutoConfig.for_model("qwen3_moe", hidden_size=48, moe_intermediate_size=24, num_experts=8,
-                                  num_experts_per_tok=3, norm_topk_prob=True)
+                                  num_experts_per_tok=3, norm_topk_prob=norm_topk_prob)
     hf = Qwen3MoeSparseMoeBlock(config)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    ours = SparseMoE(48, MoEConfig(8, 3, 24, True, (0,)))
+    ours = SparseMoE(48, MoEConfig(8, 3, 24, norm_topk_prob, (0,)))
     ours.load_state_dict(hf.state_dict())  # the same names: gate.weight, experts.gate_up_proj, experts.down_proj
     x = torch.randn(2, tokens, 48, generator=g).to(device)
     hf, ours = hf.to(device), ours.to(device)
