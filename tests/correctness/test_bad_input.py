@@ -283,3 +283,6 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=f"unsupported architecture 'made_up_arch': weft supports {SUPPORTED}"):
         LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        LLM(str(tmp_path))

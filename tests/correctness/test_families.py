@@ -95,15 +95,15 @@ def test_windows_are_read_from_the_config_and_attended_within_beyond_their_lengt
             assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want, attention
 
 
-@pytest.mark.parametrize("window", [16, 100])
+@pytest.mark.parametrize(("window", "P"), [(16, 16), (100, 16), (40, 48), (100, 128)])  # blocks of a tile, or not
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "invariant"])
-def test_the_paged_backend_reads_only_the_window(window, batch_invariant):
+def test_the_paged_backend_reads_only_the_window(window, P, batch_invariant):
     """A window layer of the paged backend reads each request's blocks from the one holding its first new token's
     first key: the blocks before it NaN (a request's table padded with its last block), its output is finite and
     the float64 reference's; batch-invariant, the same bits as with every key read (the window's masks alone)."""
-    case = make_case(4, 2, 64, 16, [1, 150, 40, 7], [90, 150, 400, 7], torch.float32, "cpu", window)
+    case = make_case(4, 2, 64, P, [1, 150, 40, 7], [90, 150, 400, 7], torch.float32, "cpu", window)
     case.k_cache.nan_to_num_(), case.v_cache.nan_to_num_()
-    N, P, H_kv, D = case.k_cache.shape
+    N, _, H_kv, D = case.k_cache.shape
     cfg = ModelConfig(arch="mistral", V=32, E=4 * D, L=1, H_q=4, H_kv=H_kv, D=D, intermediate=32, rms_eps=1e-6,
                       rope_theta=1e4, max_model_len=1024, tie_word_embeddings=False, sliding_window=window,
                       window_layers=(0,))

@@ -249,7 +249,10 @@ def _checkpoint(path: Path, name: str) -> ModelSource:
         raise ValueError(f"{path} is not a HF checkpoint directory: it has no config.json")
     _weight_files(path)  # refuses a directory without its weights before anything is read
     # before transformers reads it: a model_type transformers does not know would be its error, not weft's
-    check_architecture(json.loads((path / "config.json").read_text()).get("model_type"))
+    try:
+        check_architecture(json.loads((path / "config.json").read_text()).get("model_type"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from e
     hf_config = AutoConfig.from_pretrained(path)
     config = ModelConfig.from_hf(hf_config)  # refuses other architectures before anything is loaded
     tokenizer = None
