@@ -79,7 +79,7 @@ def load_weights(
     model: nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], tp: TensorParallel = SINGLE
 ) -> None:
     """Copy each (HF name, tensor), or `tp`'s slice of it, into `model`; a missing or misshapen weight, or a tensor
-    `cfg` has no place for (q/k/v biases a config without them, a layer or an expert past its count), is a
+    `cfg` has no place for (q/k/v biases under a config without them, a layer or an expert past its count), is a
     ValueError naming it.
 
     A tied lm_head's copy of the embedding and old checkpoints' rotary tables are skipped: weft derives both.
