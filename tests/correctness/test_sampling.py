@@ -385,6 +385,27 @@ def test_a_grammar_and_allowed_token_ids_allow_only_the_tokens_in_both(smol):
 
 
 @needs_smollm2
+def test_rules_that_leave_nothing_to_sample_are_refused_or_end_that_request_alone(smol):
+    """Rules that together allow no first token are a ValueError when queued; rules that run out later (a grammar's
+    second token outside allowed_token_ids) end that request as aborted, without the token, and the request beside
+    it runs on as it runs alone."""
+    tok = smol.get_tokenizer()
+    one = tok.encode("1", add_special_tokens=False)
+    for rules in (dict(structured_outputs=StructuredOutputsParams(json_object=True), allowed_token_ids=one),
+                  dict(allowed_token_ids=sorted(smol.llm_engine.eos_token_ids), min_tokens=1),
+                  dict(allowed_token_ids=one, bad_words=["1"])):
+        with pytest.raises(ValueError, match="its rules allow no first token") as e:
+            smol.generate([PROMPT], SamplingParams(max_tokens=4, **rules), use_tqdm=False)
+        assert e.value.param == "allowed_token_ids"
+    greedy = dict(max_tokens=8, temperature=0.0)
+    stuck = SamplingParams(**greedy, structured_outputs=StructuredOutputsParams(regex="12"), allowed_token_ids=one)
+    out = smol.generate([PROMPT, PROMPT], [stuck, SamplingParams(**greedy)], use_tqdm=False)
+    assert len(one) == 1 and (out[0].outputs[0].token_ids, out[0].outputs[0].finish_reason) == (one, "abort")
+    alone = smol.generate([PROMPT], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert out[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+@needs_smollm2
 def test_structured_outputs_always_parse_beside_free_requests(smol):
     schema = {"type": "object", "required": ["name", "age"],
               "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}

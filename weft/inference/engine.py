@@ -32,6 +32,7 @@ from weft.inference.outputs import CompletionOutput, EngineSnapshot, EngineStats
 from weft.inference.params import RequestOutputKind, SamplingParams, check_sampling_params
 from weft.inference.ranks import RankGroup, build_rank
 from weft.inference.runner import Launched, ModelRunner
+from weft.inference.sampling import can_sample
 from weft.inference.scheduler import SCHEDULERS, ScheduledBatch
 from weft.inference.sequence import Sequence
 from weft.inference.structured import GrammarCompiler
@@ -169,6 +170,11 @@ class LLMEngine:
             if child.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]  # nothing predicts the first token
             group.append(seq)
+        if not can_sample(group[0], tuple(self.eos_token_ids), self.model_config.V):
+            raise ParamValueError(
+                f"{label}: its rules allow no first token (allowed_token_ids, bad_words, min_tokens' bans and "
+                "structured_outputs together leave none)", "allowed_token_ids",
+            )
         return group
 
     def _check_room(self, num_prompt_tokens: int, params: SamplingParams, label: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from weft.inference.sequence import Sequence, Status
+from weft.layers.bitmask import allows, token_bitmask
 from weft.layers.sampler import MASK32, LogitRules, SamplingTensors
 from weft.utils import cdiv
 
@@ -193,3 +194,20 @@ def banned_tokens(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
                               word[:-1]):
             banned.append(word[-1])
     return banned
+
+
+def can_sample(seq: Sequence, eos_token_ids: tuple[int, ...], V: int) -> bool:
+    """Whether `seq`'s rules leave it any token to sample next: its grammar's and allowed_token_ids' tokens, less the
+    ones banned now."""
+    banned = banned_tokens(seq, eos_token_ids)
+    if seq.matcher is None and seq.allowed is None:
+        return len(set(banned)) < V
+    return bool((SamplingState._allowed(seq) & ~token_bitmask(banned, V)).any())
+
+
+def follows_rules(seq: Sequence, token: int) -> bool:
+    """Whether `token` is one `seq`'s allowed_token_ids and grammar allow (advancing its grammar by it if so); one
+    they do not was drawn from a row of -inf: its rules had left nothing to sample."""
+    if seq.allowed is not None and not allows(seq.allowed, token):
+        return False
+    return seq.matcher is None or seq.matcher.accept(token)

@@ -17,6 +17,7 @@ picks a step's work, `launched` marks it queued on the device, `landed` takes it
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,7 +25,10 @@ from dataclasses import dataclass, field
 from weft.inference.block_manager import BlockManager
 from weft.inference.detokenizer import first_stop
 from weft.inference.outputs import Logprob
+from weft.inference.sampling import follows_rules
 from weft.inference.sequence import Sequence, Status
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -144,7 +148,7 @@ class Scheduler(ABC):
         """A launched step's ids are on the host: each sampled request still running takes its token
         and its logprobs; one that stops is removed, its blocks freed, and the others register the block their
         token filled -> the requests that took a token, in order (aborted ones, and ones that stopped while this
-        step was in flight, take none)."""
+        step was in flight, take none), and those whose rules left them nothing to sample, which end as aborted."""
         for seq, entry in step.prompt_logprobs:
             seq.prompt_logprobs.append(entry)
         for seq in step.sampled:
@@ -153,8 +157,17 @@ class Scheduler(ABC):
                    if row[0].status is not Status.FINISHED]
         took = []
         for seq, token, entry in landing:
-            if seq.matcher is not None:
-                seq.matcher.accept(token)
+            if not follows_rules(seq, token):
+                # its rules together left nothing to sample (allowed_token_ids the grammar does not reach): the
+                # request ends without the token, as aborted, and the others run on
+                logger.warning("request %s: nothing its rules allow is left to sample; aborted", seq.request_id)
+                seq.finish_reason = "abort"
+                seq.metrics.finished_time = step.landed_at
+                self.remove(seq)
+                if seq.detokenizer is not None:
+                    seq.detokenizer.add([], final=True)
+                took.append(seq)
+                continue
             seq.token_ids.append(token)
             if entry is not None:
                 seq.logprobs.append(entry)

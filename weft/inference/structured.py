@@ -176,11 +176,13 @@ class Matcher:
         self.terminated = False  # nothing but a stop token can follow, or a stop token was accepted
         self._refill()
 
-    def accept(self, token: int) -> None:
-        """Advance by the sampled token, and find what may follow; one the mask forbade is a bug (RuntimeError)."""
+    def accept(self, token: int) -> bool:
+        """Advance by the sampled token, and find what may follow -> False, and no step, for a token the grammar
+        does not allow here (sampled where a request's rules together allowed nothing)."""
         if not self._matcher.accept_token(token):
-            raise RuntimeError(f"token {token} does not follow the grammar here: was it sampled without the mask?")
+            return False
         self._refill()
+        return True
 
     def _refill(self) -> None:
         if self._matcher.is_terminated():  # a stop token was accepted: xgrammar fills no row past it

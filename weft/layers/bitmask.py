@@ -34,3 +34,8 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
     return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def allows(bitmask: torch.Tensor, token: int) -> bool:
+    """Whether bitmask row int32 [1, ceil(V / 32)] allows `token`."""
+    return bool((int(bitmask[0, token >> 5]) >> (token & 31)) & 1)
