@@ -188,6 +188,8 @@ TOKENIZE_BAD = [
     ("tokenize", {"prompt": "t5", "add_special_tokens": "yes"}, "add_special_tokens"),
     ("tokenize", {"messages": [{"role": None, "content": "t5"}]}, "messages"),
     ("tokenize", {"messages": "t5"}, "messages"),
+    ("tokenize", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
+    ("tokenize", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
     ("tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
     ("tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("tokenize", {"messages": CHAT, "chat_template": "{{ 'x' }}"}, "chat_template"),
@@ -284,6 +286,16 @@ def test_tokenize_takes_the_template_options_weft_does_not_implement_at_their_of
            "mm_processor_kwargs": {}}
     assert post(server, "tokenize", {"messages": CHAT, **off}).json()["tokens"] == post(
         server, "tokenize", {"messages": CHAT}).json()["tokens"]
+
+
+def test_a_messages_text_parts_are_its_lines(server, tokenizer):
+    """Content as a list of text parts is their text joined by newlines, as vLLM renders it."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "t5"}, {"type": "text", "text": "t6"}]}]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "t5\nt6"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert post(server, "tokenize", {"messages": parts}).json()["tokens"] == tokenizer.encode(
+        text, add_special_tokens=False)
+    assert "t5\nt6" in text
 
 
 def test_a_messages_role_and_other_keys_are_the_templates_to_take(server, tokenizer):

@@ -48,8 +48,9 @@ def _text(content: object, i: int) -> str:
     if isinstance(content, str):
         return content
     parts = content if isinstance(content, Sequence) and not isinstance(content, str | bytes) else None
-    if parts is None or not all(isinstance(p, Mapping) and p.get("type") == "text" for p in parts):
+    if parts is None or not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                for p in parts):
         raise ParamTypeError(
-            f"messages[{i}]['content'] must be text or a list of {{'type': 'text', 'text': ...}} parts", MESSAGES
+            f"messages[{i}]['content'] must be text or a list of {{'type': 'text', 'text': str}} parts", MESSAGES
         )
-    return "".join(str(p.get("text", "")) for p in parts)
+    return "\n".join(p["text"] for p in parts)  # vLLM joins a message's text parts by lines
