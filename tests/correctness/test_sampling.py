@@ -346,6 +346,20 @@ def test_stop_strings_cut_the_text_and_never_leak_into_the_stream(smol):
 
 
 @needs_smollm2
+def test_min_tokens_hold_off_a_stop_string_as_they_hold_off_a_stop_token(smol):
+    """vLLM's rule for both: the stop may end the output only after min_tokens other tokens."""
+    greedy = dict(max_tokens=12, temperature=0.0)
+    ids = smol.generate([PROMPT], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    piece = smol.get_tokenizer().decode(ids[1:2])
+    assert piece.strip() and piece not in smol.get_tokenizer().decode(ids[:1])
+    for m in (1, 2):
+        by_string, by_id = (smol.generate([PROMPT], SamplingParams(min_tokens=m, **stop, **greedy),
+                                          use_tqdm=False)[0].outputs[0] for stop in
+                            (dict(stop=[piece]), dict(stop_token_ids=[ids[1]])))
+        assert (len(by_string.token_ids) == 2) == (len(by_id.token_ids) == 2) == (m == 1), m
+
+
+@needs_smollm2
 def test_detokenize_false_gives_the_same_tokens_and_no_text(smol):
     greedy = dict(max_tokens=12, temperature=0.0)
     both = [smol.generate([PROMPT], SamplingParams(detokenize=d, **greedy), use_tqdm=False)[0].outputs[0]

@@ -324,6 +324,8 @@ def test_n_and_max_tokens_beyond_what_can_run_get_400_naming_them(server):
         ("v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 500}, "max_completion_tokens"),
         ("v1/completions", {"prompt": [5, 6], "max_completion_tokens": 2}, "max_completion_tokens"),
         ("v1/completions", {"prompt": [5, 6], "cache_salt": "tenant-a"}, "cache_salt"),
+        ("v1/completions", {"prompt": [5, 6], "logprobs": 1, "logprob_token_ids": [7]}, "logprob_token_ids"),
+        ("v1/chat/completions", {"messages": CHAT, "modalities": ["text", "audio"]}, "modalities"),
         ("v1/completions", {"prompt": [5, 6], "request_id": 7}, "request_id"),
     ]:
         assert error_of(post(server, path, body), 400)["param"] == param, body
@@ -331,6 +333,8 @@ def test_n_and_max_tokens_beyond_what_can_run_get_400_naming_them(server):
     assert "maximum context length is 128 tokens and your request has 2 input tokens" in message
     whole = post(server, "v1/completions", {"prompt": [5, 6], "max_tokens": 126, "ignore_eos": True, "n": 3})
     assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 3 * 126  # n over max_num_seqs
+    rest = post(server, "v1/completions", {"prompt": [5] * 120, "max_tokens": None, "ignore_eos": True})
+    assert rest.json()["usage"]["completion_tokens"] == 8  # null: until the context is full (vLLM's)
     most = post(server, "v1/completions", {"prompt": [5, 6], "max_tokens": 1, "n": 128})
     assert most.status_code == 200 and len(most.json()["choices"]) == 128
     truncated = post(server, "v1/completions", {"prompt": [5] * 120, "truncate_prompt_tokens": 10, "max_tokens": 100})

@@ -194,7 +194,7 @@ class Scheduler(ABC):
             seq.finish_reason = "stop"
         elif seq.matcher is not None and seq.matcher.terminated:
             seq.finish_reason = "stop"
-        elif stop is not None and seq.num_output_tokens >= p.min_tokens:
+        elif stop is not None and seq.num_output_tokens > p.min_tokens:  # as a stop token waits: min_tokens before it
             at, string = stop
             detok.text = detok.text[: at + len(string) if p.include_stop_str_in_output else at]
             seq.finish_reason, seq.stop_reason = "stop", string

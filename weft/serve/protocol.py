@@ -36,6 +36,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "priority": (None, 0), "vllm_xargs": (None, {}), "kv_transfer_params": (None,),
     "truncation_side": (None, "left"),  # truncate_prompt_tokens keeps a prompt's last tokens
     "cache_salt": (None,),  # the prefix cache is shared by every request
+    "logprob_token_ids": (None, []), "watermarking": (None, False), "repetition_detection": (None,),
+    "thinking_token_budget": (None,),
 }  # fmt: skip
 COMPLETION_UNSUPPORTED = {  # max_completion_tokens is the chat API's name
     **UNSUPPORTED, "suffix": (None, ""), "add_special_tokens": (None, True), "max_completion_tokens": (None,),
@@ -45,6 +47,7 @@ CHAT_UNSUPPORTED = {  # the conversation is rendered by the model's own template
     "continue_final_message": (None, False), "add_special_tokens": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "documents": (None, []), "mm_processor_kwargs": (None, {}), "reasoning_effort": (None,),
+    "modalities": (None, ["text"]), "audio": (None,),
 }  # fmt: skip
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bounds; vLLM clamps to them too
 # OpenAI's bound on a prompt's completions (each a sequence the engine queues: memory a client chooses); a list of
@@ -115,6 +118,9 @@ class GenerationRequest(Refusing):
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_defaults(cls, body: Any) -> Any:
+        """Nulls take the defaults; but a max_tokens sent as null means until the context is full (vLLM's)."""
+        if isinstance(body, dict) and "max_tokens" in body and body["max_tokens"] is None:
+            return {**without_nulls(body), "max_tokens": None}
         return without_nulls(body)
 
     def sampling_params(self) -> SamplingParams:
@@ -214,9 +220,7 @@ class CompletionRequest(GenerationRequest):
     prompt: Any  # text, token ids, or a list of either (checked by weft.inference.inputs)
     logprobs: Any = None  # the legacy API's: how many alternatives each token's logprobs list
     echo: StrictBool = False  # each choice begins with its prompt (and, with logprobs, the prompt's logprobs)
-
-    def requested_max_tokens(self) -> Any:
-        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
+    max_tokens: Any = 16  # OpenAI's default for completions; null: until the context is full
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
