@@ -170,7 +170,16 @@ def test_the_stream_ends_with_done(server):
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
-    assert [json.loads(e[6:])["object"] for e in events[:-1]] == ["text_completion"] * 3
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert [c["object"] for c in chunks] == ["text_completion"] * 3
+    # finish_reason and logprobs in every chunk, null until the last (OpenAI's chunks require them)
+    assert [(c["choices"][0]["finish_reason"], c["choices"][0]["logprobs"]) for c in chunks] == [(None, None)] * 2 + [
+        ("length", None)]
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{server}/chat/completions", json=chat, timeout=60) as response:
+        choices = [json.loads(line[6:])["choices"][0] for line in response.iter_lines() if line[6:].startswith("{")]
+    assert [c["finish_reason"] for c in choices] == [None, None, "length"] and "role" not in choices[1]["delta"]
+    assert all(c["logprobs"] is None for c in choices)
 
 
 def test_the_bench_client_freezes_its_heap_while_timed_and_no_longer(server):

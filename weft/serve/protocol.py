@@ -13,7 +13,16 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictBool,
+    StrictStr,
+    model_serializer,
+    model_validator,
+)
 
 from weft.errors import ParamTypeError, ParamValueError
 from weft.inference.chat import MESSAGES
@@ -297,7 +306,20 @@ class ChatLogprobs(BaseModel):
 PromptLogprobs = list[dict[int, dict[str, Any]] | None]  # vLLM's: per prompt token {id: {logprob, rank, decoded_token}}
 
 
-class CompletionChoice(BaseModel):
+class Choice(BaseModel):
+    """A choice whose finish_reason and logprobs are always written, null until set, also in a stream's chunks
+    (which leave out the fields not set): OpenAI's chunks require both, and clients test finish_reason against
+    null to find a choice's last chunk."""
+
+    @model_serializer(mode="wrap")
+    def _finish_reason_and_logprobs_always(self, write: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body = write(self)
+        body.setdefault("finish_reason", None)
+        body.setdefault("logprobs", None)
+        return body
+
+
+class CompletionChoice(Choice):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -347,7 +369,7 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
-class ChatCompletionStreamChoice(BaseModel):
+class ChatCompletionStreamChoice(Choice):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
