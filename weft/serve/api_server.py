@@ -29,7 +29,6 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Annotated, Any
@@ -189,16 +188,12 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
     """The app over a started engine process; outputs flow while the app runs, and the engine process
     stops when the app shuts down (lifespan). `api_key`: what guarded paths need (None: nothing)."""
     metrics = ServerMetrics(lambda: aengine.snapshot, served_model_name, aengine.info.max_model_len)
-    # one thread: the event loop serves streams while a long text is tokenized (seconds a megabyte), and
-    # HF tokenizers are not thread-safe
-    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="weft-tokenizer")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         aengine.start()
         yield
         aengine.stop()
-        tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="weft", lifespan=lifespan)
     app.state.engine = aengine
@@ -263,7 +258,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
         if aengine.tokenizer is None:
             raise APIError(400, f"model {served_model_name!r} has no tokenizer (random weights): /tokenize and "
                                 "/detokenize need one")
-        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, call, aengine.tokenizer)
+        return await aengine.tokenizing(call, aengine.tokenizer)
 
     @app.post("/tokenize")
     async def tokenize(body: Annotated[dict[str, Any], Body()]) -> TokenizeResponse:

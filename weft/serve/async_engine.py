@@ -1,9 +1,10 @@
 """AsyncEngine: one LLMEngine in a process of its own, fed and drained from the server's event loop.
 
-The engine process owns the model, the tokenizer and the GPU (the server loads a copy of the tokenizer
-for /tokenize and /detokenize, and no more): every call into the engine
-(checking and queueing a request, aborting one, stepping) runs there, between steps, and the
-event loop never waits on the GPU nor shares an interpreter lock with the engine's host work.
+The engine process owns the model and the GPU: every call into the engine (checking and queueing a request,
+aborting one, stepping) runs there, between steps, and the event loop never waits on the GPU nor shares an
+interpreter lock with the engine's host work. The server holds a copy of the tokenizer, as vLLM's API server does:
+text prompts and conversations become token ids on a thread of its own, so a long prompt holds up no step (nor the
+event loop: HF's tokenizers let go of the interpreter lock).
 Commands go down one pipe and each step's pieces come back up another, as the typed messages of
 weft.serve.messages; a reader thread hands each message to the loop in one `call_soon_threadsafe`. In the engine
 process a thread of its own serves each end (as vLLM's engine core has input and output threads): the steps never
@@ -24,12 +25,14 @@ import logging
 import multiprocessing
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from weft.inference.chat import chat_prompt
 from weft.inference.config import EngineConfig
 from weft.inference.detokenizer import IncrementalDetokenizer
+from weft.inference.inputs import parse_prompt
 from weft.inference.outputs import CompletionOutput, EngineSnapshot, EngineStats, RequestOutput
 from weft.inference.params import RequestOutputKind, SamplingParams
 from weft.models.loader import resolve_model
@@ -82,10 +85,11 @@ class AsyncEngine:
             self.process.join(STOP_WAIT_S)
             raise ValueError(first.reason)
         self.info = first
-        # the server's own copy of the tokenizer (for /tokenize, /detokenize), as vLLM's API server holds one: the
-        # engine process is not asked, so tokenizing waits on no step and takes no time from one
+        # the server's own copy of the tokenizer (prompts, conversations, /tokenize, /detokenize), used on one thread:
+        # HF's tokenizers are not thread-safe
         source = resolve_model(config.model, config.tokenizer)
         self.tokenizer, self.vocab_size = source.tokenizer, source.config.V
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="weft-tokenizer")
         self.snapshot = EngineSnapshot(0, 0, 0, first.num_blocks, EngineStats())  # as of the engine's last message
         self.streams: dict[str, asyncio.Queue] = {}  # the event loop's alone
         self.prompts: dict[str, list[int]] = {}  # each unfinished request's prompt ids, from its first piece
@@ -109,6 +113,18 @@ class AsyncEngine:
         self.process.join(STOP_WAIT_S)
         if self.process.is_alive():
             self.process.kill()
+        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def tokenizing(self, call: Callable[..., object], *args: object) -> object:
+        """call(*args) on the tokenizer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, call, *args)
+
+    def token_ids(self, prompt: str | Conversation, label: str) -> list[int]:
+        """A text prompt's or a conversation's token ids, as the engine would make them (its ValueError / TypeError
+        for one it would refuse)."""
+        if isinstance(prompt, Conversation):
+            return chat_prompt(self.tokenizer, prompt.messages, self.info.model_name)
+        return parse_prompt(prompt, self.tokenizer, self.vocab_size, label).token_ids
 
     @property
     def running(self) -> bool:
@@ -121,13 +137,17 @@ class AsyncEngine:
         step's new tokens; FINAL_ONLY: one, the whole completion). Outputs before the last carry no metrics.
 
         The first `__anext__` raises the engine's own ValueError / TypeError for a request it refuses,
-        QueueFull or EngineDead. Leaving the iteration early (a client gone) aborts the request.
+        QueueFull or EngineDead. Leaving the iteration early (a client gone) aborts the request. A text prompt or a
+        conversation is tokenized here, on the tokenizer's thread; outputs carry a text prompt as sent.
         """
         if not self.running:
             raise EngineDead(f"the engine process is not running: {self.dead}")
         waiting = self.snapshot.num_waiting + self.sent
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
             raise QueueFull(f"{waiting} requests are waiting, the most this server queues (--max-queued-requests)")
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, str | Conversation):
+            prompt = await self.tokenizing(self.token_ids, prompt, label)
         stream: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = stream
         self.sent += 1
@@ -150,6 +170,7 @@ class AsyncEngine:
                         break
                     item = joined(item, later) if params.output_kind is RequestOutputKind.DELTA else later
                 finished = item.finished
+                item.prompt = text
                 yield item
                 if finished:
                     return
@@ -335,7 +356,7 @@ def step_loop(engine, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue) -> No
                 continue
             admitted += 1
             try:
-                _add(engine, command)
+                engine.add_request(command.request_id, command.prompt, command.params, label=command.label)
             except (ValueError, TypeError) as e:  # refused before any work
                 refusals.append(Refusal.of(command.request_id, e))
         pieces = []
@@ -348,10 +369,3 @@ def step_loop(engine, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue) -> No
                 pieces.append(pack(out, first))
         outbox.put(StepMessage(pieces, refusals, engine.snapshot(), admitted))
 
-
-def _add(engine, command: AddRequest) -> None:
-    """Queue the request (a conversation through the chat template first)."""
-    prompt = command.prompt
-    if isinstance(prompt, Conversation):
-        prompt = chat_prompt(engine.tokenizer, prompt.messages, engine.model_name)
-    engine.add_request(command.request_id, prompt, command.params, label=command.label)

@@ -18,7 +18,7 @@ from weft.inference.params import SamplingParams
 
 @dataclass(frozen=True)
 class Conversation:
-    """A chat's messages, rendered through the chat template in the engine process (the tokenizer's home)."""
+    """A chat's messages, for AsyncEngine.generate to render through the chat template (on its tokenizer's thread)."""
 
     messages: object
 
@@ -26,7 +26,7 @@ class Conversation:
 @dataclass(frozen=True)
 class AddRequest:
     request_id: str
-    prompt: object  # what LLMEngine.add_request takes, or a Conversation
+    prompt: object  # what LLMEngine.add_request takes (token ids, for text the server has tokenized)
     params: SamplingParams
     label: str  # the prompt's name in errors ("prompt", "prompt 1", "messages")
 
