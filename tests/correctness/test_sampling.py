@@ -184,6 +184,15 @@ def test_allowed_tokens_bias_and_min_tokens(tiny):
     assert len(late.token_ids) >= 4 and stop not in late.token_ids[:4]
 
 
+def test_a_rows_top_k_holds_beside_a_row_that_keeps_every_token(tiny):
+    """top_k=1 at temperature 1 is greedy, whatever shares its steps (a row keeping every token once hid it)."""
+    prompt, kw = [11, 22, 33, 44, 55, 66, 77], dict(max_tokens=12, ignore_eos=True)
+    greedy = tiny.generate([prompt], SamplingParams(temperature=0.0, **kw), use_tqdm=False)[0].outputs[0].token_ids
+    both = tiny.generate([prompt, [5, 6, 7]], [SamplingParams(temperature=1.0, top_k=1, **kw),
+                                              SamplingParams(temperature=1.0, **kw)], use_tqdm=False)
+    assert both[0].outputs[0].token_ids == greedy
+
+
 def test_n_completions_are_single_requests_seeded_seed_plus_index_sharing_the_prompt(tiny):
     prompt = list(range(3, 40))  # nine blocks of 4: the later completions take eight from the cache
     engine = tiny.llm_engine

@@ -50,7 +50,7 @@ class SamplingState:
         return SamplingTensors(
             temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k_row, seeded=seeded.bool(),
             seed=seed.view(-1, 2), position=position, max_top_k=max_top_k,
-            filtered=max_top_k < self.V or any(p.top_p < 1 or p.min_p > 0 for p in params),
+            filtered=min(top_k) < self.V or any(p.top_p < 1 or p.min_p > 0 for p in params),
         )  # fmt: skip
 
     def rules(self, seqs: list[Sequence]) -> LogitRules | None:
