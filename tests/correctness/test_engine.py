@@ -132,6 +132,9 @@ class Cycle:
     def __init__(self) -> None:
         self.me = self
 
+    def close(self) -> None:  # as a GrammarCompiler closes
+        self.closed = True
+
 
 def test_an_engine_freezes_the_heap_it_was_built_on_and_frees_its_own_when_closed():
     """Built, the engine freezes what the process holds (a full collection then walks only what came after).

@@ -409,23 +409,57 @@ def test_a_grammar_and_allowed_token_ids_allow_only_the_tokens_in_both(smol):
 
 @needs_smollm2
 def test_rules_that_leave_nothing_to_sample_are_refused_or_end_that_request_alone(smol):
-    """Rules that together allow no first token are a ValueError when queued; rules that run out later (a grammar's
-    second token outside allowed_token_ids) end that request as aborted, without the token, and the request beside
-    it runs on as it runs alone."""
+    """Rules that together allow no first token are a ValueError when queued; with a grammar among them (known once
+    it is compiled, after the request was queued), and rules that run out later (a grammar's second token outside
+    allowed_token_ids), they end that request as aborted, without the token, and the request beside it runs on as
+    it runs alone."""
     tok = smol.get_tokenizer()
     one = tok.encode("1", add_special_tokens=False)
-    for rules in (dict(structured_outputs=StructuredOutputsParams(json_object=True), allowed_token_ids=one),
-                  dict(allowed_token_ids=sorted(smol.llm_engine.eos_token_ids), min_tokens=1),
+    for rules in (dict(allowed_token_ids=sorted(smol.llm_engine.eos_token_ids), min_tokens=1),
                   dict(allowed_token_ids=one, bad_words=["1"])):
         with pytest.raises(ValueError, match="its rules allow no first token") as e:
             smol.generate([PROMPT], SamplingParams(max_tokens=4, **rules), use_tqdm=False)
         assert e.value.param == "allowed_token_ids"
     greedy = dict(max_tokens=8, temperature=0.0)
-    stuck = SamplingParams(**greedy, structured_outputs=StructuredOutputsParams(regex="12"), allowed_token_ids=one)
-    out = smol.generate([PROMPT, PROMPT], [stuck, SamplingParams(**greedy)], use_tqdm=False)
-    assert len(one) == 1 and (out[0].outputs[0].token_ids, out[0].outputs[0].finish_reason) == (one, "abort")
     alone = smol.generate([PROMPT], SamplingParams(**greedy), use_tqdm=False)[0]
-    assert out[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    for grammar, taken in ((StructuredOutputsParams(json_object=True), []), (StructuredOutputsParams(regex="12"), one)):
+        stuck = SamplingParams(**greedy, structured_outputs=grammar, allowed_token_ids=one)
+        out = smol.generate([PROMPT, PROMPT], [stuck, SamplingParams(**greedy)], use_tqdm=False)
+        assert len(one) == 1 and (out[0].outputs[0].token_ids, out[0].outputs[0].finish_reason) == (taken, "abort")
+        assert out[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+@needs_smollm2
+def test_a_grammar_compiles_while_the_other_requests_run(smol):
+    """A grammar that takes seconds to compile (a choice of 30,000 strings) holds up no other request: one queued
+    after it runs to its end, as it runs alone, while the grammar compiles outside the scheduler (counted as
+    waiting); then the grammar's request runs and writes one of its strings. One aborted while compiling is gone
+    at once; one whose grammar is in the cache is queued at once, in its turn."""
+    engine = smol.llm_engine
+    options = [f"option {i} of many" for i in range(30_000)]
+    slow = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=StructuredOutputsParams(choice=options))
+    quick = SamplingParams(max_tokens=2, temperature=0.0)  # on 2 cores: 0.8 s beside the compile's 4.5 s
+    alone = smol.generate([PROMPT], quick, use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("slow", PROMPT, slow)
+    engine.add_request("quick", PROMPT, quick)
+    finals: dict[str, list] = {}
+    while "quick" not in finals:
+        finals |= {out.request_id: out for out in engine.step() if out.finished}
+        assert "slow" not in finals
+    assert finals["quick"].outputs[0].token_ids == alone
+    assert list(engine.compiling) == ["slow"] and engine.snapshot().num_waiting == 1
+    while engine.has_unfinished_requests():
+        finals |= {out.request_id: out for out in engine.step() if out.finished}
+    assert finals["slow"].outputs[0].text in options and finals["slow"].outputs[0].finish_reason == "stop"
+    engine.add_request("cached", PROMPT, slow)  # compiled already: queued in turn, before one that came after it
+    engine.add_request("after", PROMPT, quick)
+    assert not engine.compiling and [seq.request_id for seq in engine.scheduler.waiting] == ["cached", "after"]
+    engine.abort_request(["cached", "after"])
+    engine.add_request("dropped", PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(
+        choice=options[:3000])))
+    assert list(engine.compiling) == ["dropped"]
+    engine.abort_request("dropped")
+    assert not engine.compiling and not engine.has_unfinished_requests() and engine.step() == []
 
 
 @needs_smollm2

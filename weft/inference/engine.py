@@ -2,8 +2,10 @@
 
 vLLM's interface: `add_request` queues a request (every check runs here, before any work; `add_requests`
 checks several before queueing any), `step` runs one forward pass over what the scheduler picks and returns
-the outputs it produced, `abort_request` drops a request and frees its blocks at once. Everything the engine
-holds is built in `__init__`: weights are read once, the pool is sized once, CUDA graphs are captured once.
+the outputs it produced, `abort_request` drops a request and frees its blocks at once. A request with structured
+outputs waits outside the scheduler while its grammar compiles on the compiler's threads (seconds for a large one,
+which hold up no step), and is queued once it has. Everything the engine holds is built in `__init__`: weights
+are read once, the pool is sized once, CUDA graphs are captured once.
 The engine keeps no clock of its own: callers decide when requests arrive.
 
 Who writes what: the scheduler (with the engine's block manager) owns each request's state from its queueing
@@ -20,6 +22,8 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from concurrent import futures
+from concurrent.futures import Future
 
 import torch
 
@@ -34,7 +38,7 @@ from weft.inference.ranks import RankGroup, build_rank
 from weft.inference.runner import Launched, ModelRunner
 from weft.inference.sampling import can_sample
 from weft.inference.scheduler import SCHEDULERS, ScheduledBatch
-from weft.inference.sequence import Sequence
+from weft.inference.sequence import Sequence, Status
 from weft.inference.structured import GrammarCompiler
 from weft.layers.bitmask import token_bitmask
 from weft.models.llama import LlamaForCausalLM
@@ -44,6 +48,9 @@ from weft.utils import freeze_heap
 logger = logging.getLogger(__name__)
 
 RequestId = str | int
+# how long a step with nothing to run but grammars compiling waits for one: briefly, so that what comes meanwhile (an
+# abort, a request) waits little
+GRAMMAR_WAIT_S = 0.01
 
 
 class LLMEngine:
@@ -67,6 +74,7 @@ class LLMEngine:
         )
         self.requests: dict[RequestId, list[Sequence]] = {}  # in flight (queued or running): its n completions
         self.grammars: GrammarCompiler | None = None  # built at the first request with structured outputs
+        self.compiling: dict[RequestId, Future] = {}  # requests waiting for their grammar, in order: not queued yet
         self.in_flight: deque[Launched] = deque()  # steps queued on the device, not landed yet (oldest first)
         self.stats = EngineStats()
         # what the process holds now (its modules, the model, the tokenizer) mostly lives as long as the engine: frozen,
@@ -114,8 +122,45 @@ class LLMEngine:
                 raise ParamValueError(f"{labels[i]}: request id {rid!r} is already in flight")
         for rid, group in zip(ids, groups, strict=True):
             self.requests[rid] = group
+            spec = group[0].params.structured_outputs
+            if spec is None:
+                self._queue(group)
+                continue
+            grammar = self.grammars.compile(spec)
+            if not (grammar.done() and self._queue_compiled(group)):  # a grammar in the cache is queued in turn
+                self.compiling[rid] = grammar
+
+    def _queue(self, group: list[Sequence]) -> None:
+        for seq in group:
+            self.scheduler.add(seq)
+
+    def _queue_compiled(self, group: list[Sequence]) -> bool:
+        """Queue a request whose grammar is compiled -> False, and not queued, if its rules leave no first token."""
+        for seq in group:
+            seq.matcher = self.grammars.matcher(seq.params.structured_outputs)
+        if not can_sample(group[0], tuple(self.eos_token_ids), self.model_config.V):
+            return False
+        self._queue(group)
+        return True
+
+    def _compiled(self, wait: bool) -> list[RequestOutput]:
+        """Queue the requests whose grammar is compiled, in the order they came -> the outputs of those its rules
+        leave nothing to sample, which end as aborted. With `wait` (nothing else to run), first wait a little for
+        one: a command that comes meanwhile (an abort, a request) waits at most GRAMMAR_WAIT_S."""
+        if wait:
+            futures.wait(self.compiling.values(), GRAMMAR_WAIT_S, futures.FIRST_COMPLETED)
+        outputs = []
+        for rid in [rid for rid, future in self.compiling.items() if future.done()]:
+            del self.compiling[rid]
+            group = self.requests[rid]
+            if self._queue_compiled(group):
+                continue
+            logger.warning("request %s: its grammar and its other rules allow no first token; aborted", rid)
+            del self.requests[rid]
             for seq in group:
-                self.scheduler.add(seq)
+                seq.finish_reason, seq.status, seq.metrics.finished_time = "abort", Status.FINISHED, time.perf_counter()
+            outputs.append(self._output(group, group, finished=True))
+        return outputs
 
     def _sequences(self, request_id: RequestId, prompt: object, params: object, label: str, now: float
                    ) -> list[Sequence]:
@@ -163,17 +208,15 @@ class LLMEngine:
                 child.output_kind is not RequestOutputKind.FINAL_ONLY or child.stop
             ):
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
-            if child.structured_outputs is not None:
-                seq.matcher = self.grammars.matcher(child.structured_outputs)
             if child.logprobs is not None:
                 seq.logprobs = []
             if child.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]  # nothing predicts the first token
             group.append(seq)
-        if not can_sample(group[0], tuple(self.eos_token_ids), self.model_config.V):
+        if not can_sample(group[0], tuple(self.eos_token_ids), self.model_config.V):  # its grammar: once compiled
             raise ParamValueError(
-                f"{label}: its rules allow no first token (allowed_token_ids, bad_words, min_tokens' bans and "
-                "structured_outputs together leave none)", "allowed_token_ids",
+                f"{label}: its rules allow no first token (allowed_token_ids, bad_words and min_tokens' bans "
+                "together leave none)", "allowed_token_ids",
             )
         return group
 
@@ -202,7 +245,7 @@ class LLMEngine:
             if self.grammars is None:
                 # a model without EOS ids of its own (a random shape given a tokenizer) ends grammars at the tokenizer's
                 self.grammars = GrammarCompiler(self.tokenizer, V, self.eos_token_ids or None)
-            self.grammars.compile(params.structured_outputs)
+            self.grammars.compile(params.structured_outputs)  # parsed here: an invalid grammar is refused at once
 
     def _bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token ids as it would begin the text and, where they differ, as a word within it (after a
@@ -218,6 +261,9 @@ class LLMEngine:
         """Drop requests (unknown or finished ids are ignored, as in vLLM); their blocks are free at once."""
         ids = [request_id] if isinstance(request_id, str | int) else list(request_id)
         for rid in ids:
+            if self.compiling.pop(rid, None) is not None:  # never queued
+                del self.requests[rid]
+                continue
             for seq in self.requests.pop(rid, ()):
                 if seq.finish_reason is None:
                     self.scheduler.remove(seq)
@@ -230,7 +276,8 @@ class LLMEngine:
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's gauges now and a copy of its counters: one reading, for the server's /metrics."""
-        return EngineSnapshot(len(self.scheduler.running), self.scheduler.num_waiting,
+        compiling = sum(len(self.requests[rid]) for rid in self.compiling)
+        return EngineSnapshot(len(self.scheduler.running), self.scheduler.num_waiting + compiling,
                               self.blocks.num_blocks - self.blocks.num_free, self.blocks.num_blocks,
                               dataclasses.replace(self.stats))
 
@@ -246,6 +293,8 @@ class LLMEngine:
         whose token is dropped. A step asking for logprobs lands at once."""
         self._check_open()
         outputs = self._land(keep=1)  # what an interrupted call left in flight
+        if self.compiling:
+            outputs += self._compiled(wait=not self.in_flight and not self.scheduler.has_work())
         batch = self.scheduler.schedule()
         self._count(batch)
         if not batch:
@@ -361,6 +410,8 @@ class LLMEngine:
         self.ranks.stop(self.runner)
         self.in_flight.clear()
         self.runner = None
+        if self.grammars is not None:
+            self.grammars.close()
         self.grammars = None  # its compiled grammars' cache is a cycle
         # one full collection frees them; what is left is frozen again, so that the next engine's build (a test
         # suite's hundreds) walks only what came after, not the whole heap a second time

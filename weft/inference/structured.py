@@ -2,7 +2,8 @@
 generated token, through xgrammar.
 
 Per engine, a `GrammarCompiler` (from the tokenizer) compiles each request's `StructuredOutputsParams`
-once; per request, a `Matcher` follows the tokens generated so far and holds the tokens it allows next, as an int32
+once, on threads of its own (the request waits in the engine, outside the scheduler, until it is compiled); per
+request, a `Matcher` follows the tokens generated so far and holds the tokens it allows next, as an int32
 bitmask row [1, ceil(V / 32)] on the CPU (bit j of word w allows token 32 w + j), refilled as it accepts a token.
 The scheduler advances a step's matchers one after another (spread over threads, or filled in xgrammar's batch
 call, they took longer: results/logs/h100_json_step*.log). The step's sampling state copies their rows to the
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -125,40 +128,58 @@ class GrammarCompiler:
 
         stops = sorted(stop_token_ids) if stop_token_ids is not None else None
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=stops)
-        # the LRU below is the one cache: xgrammar's own would keep every grammar ever compiled
-        self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+        # the LRU below is the one cache: xgrammar's own would keep every grammar ever compiled. A compile's threads
+        # take half the cores (xgrammar's 8 where there are 16): the rest are the steps' (on 2 cores, a stream's
+        # largest gap beside a long compile: 1.15 s with 8, 0.61 s with 1; results/logs/serve_grammar_stall_*.log)
+        threads = max(1, (os.cpu_count() or 1) // 2)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self.stop_token_ids: tuple[int, ...] = tuple(info.stop_token_ids)
         self._stop_row = token_bitmask(self.stop_token_ids, vocab_size)[0]
         self.words = cdiv(len(tokenizer), 32)  # the words of a bitmask row that xgrammar fills; the rest stay 0
-        self._cached = functools.lru_cache(maxsize=cache_size)(self._build)
+        # compiling against the vocabulary takes seconds for a large grammar (a choice of 30,000 strings: 4-11 s on
+        # 2 cores) and lets go of the interpreter lock: it runs on threads of its own, so that it holds up no step;
+        # two, so that one long compile holds up no other request's
+        self._threads = ThreadPoolExecutor(2, thread_name_prefix="weft-grammar")
+        self._cached = functools.lru_cache(maxsize=cache_size)(self._submit)
 
-    def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        """The compiled grammar (cached by spec.key()); an invalid one is a ParamValueError saying why."""
+    def compile(self, spec: StructuredOutputsParams) -> Future[xgrammar.CompiledGrammar]:
+        """spec's grammar, compiled or compiling (cached by spec.key()); an invalid one is a ParamValueError saying
+        why, raised here (parsing it takes milliseconds)."""
         return self._cached(spec.key())
 
     def matcher(self, spec: StructuredOutputsParams) -> Matcher:
-        """A matcher at the start of spec's grammar."""
-        return Matcher(self.compile(spec), self._stop_row, self.words)
+        """A matcher at the start of spec's grammar (waiting for its compile)."""
+        return Matcher(self.compile(spec).result(), self._stop_row, self.words)
 
-    def _build(self, key: tuple) -> xgrammar.CompiledGrammar:
-        field, value = key
-        compiler = self._compiler
-        try:
-            if field == "json":
-                # compact separators: small models given free whitespace may emit it without end
-                return compiler.compile_json_schema(value, any_whitespace=False)
-            if field == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if field == "regex":
-                return compiler.compile_regex(value)
-            if field == "choice":  # JSON's string escapes are EBNF's
-                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
-                                                                        for c in value))
-            return compiler.compile_grammar(value)
-        except RuntimeError as e:
-            what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(field, "value")
-            reason = _XGRAMMAR_PREFIX.sub("", str(e)).strip()
-            raise ParamValueError(f"{PARAM}.{field}: invalid {what}: {reason}", param=PARAM) from None
+    def close(self) -> None:
+        """Drop the compiles not started; one running ends on its thread, its grammar unused."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def _submit(self, key: tuple) -> Future[xgrammar.CompiledGrammar]:
+        return self._threads.submit(self._compiler.compile_grammar, _parse(key))
+
+
+def _parse(key: tuple) -> xgrammar.Grammar:
+    """A StructuredOutputsParams key's grammar, before it meets the vocabulary; an invalid one is a ParamValueError."""
+    import xgrammar
+
+    field, value = key
+    try:
+        if field == "json":
+            # compact separators: small models given free whitespace may emit it without end
+            return xgrammar.Grammar.from_json_schema(value, any_whitespace=False)
+        if field == "json_object":
+            return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        if field == "regex":
+            return xgrammar.Grammar.from_regex(value)
+        if field == "choice":  # JSON's string escapes are EBNF's
+            return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                     for c in value))
+        return xgrammar.Grammar.from_ebnf(value)
+    except RuntimeError as e:
+        what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(field, "value")
+        reason = _XGRAMMAR_PREFIX.sub("", str(e)).strip()
+        raise ParamValueError(f"{PARAM}.{field}: invalid {what}: {reason}", param=PARAM) from None
 
 
 class Matcher:
