@@ -464,6 +464,33 @@ def test_echo_usage_details_and_continuous_usage(server, client):
 
 
 @needs_smollm2
+def test_echo_with_max_tokens_0_scores_the_prompt(server, client):
+    """vLLM's prompt scoring: the prompt and its logprobs alone, no generated token, in a response and a stream;
+    its logprobs are those of the same prompt echoed beside generated tokens. Without echo, max_tokens 0 is a 400."""
+    prompt = "The capital of France is Paris"
+    scored = client.completions.create(model=NAME, prompt=[prompt, prompt + "."], max_tokens=0, echo=True,
+                                       logprobs=2, extra_body={"return_token_ids": True})
+    generated = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                          logprobs=2)
+    c = scored.choices[0]
+    prompt_tokens = len(c.prompt_token_ids)
+    assert (c.text, c.finish_reason, c.token_ids) == (prompt, "length", [])
+    assert c.logprobs.tokens == generated.choices[0].logprobs.tokens[:prompt_tokens]
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.token_logprobs[1:] == pytest.approx(
+        generated.choices[0].logprobs.token_logprobs[1:prompt_tokens], abs=1e-5)
+    assert scored.choices[1].text == prompt + "." and len(scored.choices[1].logprobs.tokens) == prompt_tokens + 1
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == 2 * prompt_tokens + 1
+    _, chunks = streamed_choices(server, dict(prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                              stream_options={"include_usage": True}))
+    pieces = [ch["choices"][0] for ch in chunks if ch["choices"]]
+    assert "".join(p["text"] for p in pieces) == prompt and pieces[-1]["finish_reason"] == "length"
+    assert sum(len(p["logprobs"]["tokens"]) for p in pieces) == prompt_tokens
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=0)
+
+
+@needs_smollm2
 def test_structured_outputs_parse_on_both_endpoints(client):
     schema = {"type": "object", "required": ["city", "country"],  # bounded: a greedy small model repeats digits
               "properties": {"city": {"type": "string", "maxLength": 12},

@@ -327,6 +327,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
                            param="echo")
         labels = ["prompt"] if len(prompts) == 1 else [f"prompt {i}" for i in range(len(prompts))]
         rid, streams = start(request, prompts, labels)
+        if request.scores_prompt():
+            streams = [PromptOnly(stream) for stream in streams]
         firsts = await first_outputs(raw, streams, request.field_names())
         tokenizer = aengine.tokenizer
         if request.stream:
@@ -402,6 +404,27 @@ def http_error(problem: BaseException, names: dict[str, str]) -> BaseException:
     if isinstance(problem, EngineDead):
         return APIError(503, str(problem), "service_unavailable")
     return problem
+
+
+class PromptOnly:
+    """A prompt-scoring stream (echo with max_tokens 0): the request's outputs with their one generated token left
+    out, each completion finished by its length."""
+
+    def __init__(self, stream: AsyncIterator[RequestOutput]) -> None:
+        self.stream = stream
+
+    def __aiter__(self) -> PromptOnly:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        out = await anext(self.stream)
+        ended = {"stop": "length", "length": "length"}  # its 0 tokens reached max_tokens; an abort stays one
+        empty = [CompletionOutput(c.index, "", [], ended.get(c.finish_reason, c.finish_reason),
+                                  logprobs=None if c.logprobs is None else []) for c in out.outputs]
+        return dataclasses.replace(out, outputs=empty)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
 
 
 async def close(streams: list[AsyncIterator[RequestOutput]]) -> None:

@@ -231,6 +231,14 @@ class CompletionRequest(GenerationRequest):
     echo: StrictBool = False  # each choice begins with its prompt (and, with logprobs, the prompt's logprobs)
     max_tokens: Any = 16  # OpenAI's default for completions; null: until the context is full
 
+    def scores_prompt(self) -> bool:
+        """echo with max_tokens 0 (vLLM's prompt scoring): the prompt, and with logprobs its logprobs, alone; the
+        engine runs it for one token, which the response leaves out."""
+        return self.echo and type(self.max_tokens) is int and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> Any:
+        return 1 if self.scores_prompt() else self.max_tokens
+
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
