@@ -165,6 +165,28 @@ def test_a_checkpoint_directory_serves_as_hf_loads_it(checkpoint, device):
         assert chat.prompt_token_ids == [1, 7, 8, 2, 3]  # the checkpoint's template, its tokenizer
 
 
+def with_sampling(path, **fields) -> None:
+    generation = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**generation, **fields}))
+
+
+def test_a_checkpoints_generation_config_gives_the_sampling_defaults(tmp_path, device):
+    """generation_config.json's temperature, top_p, top_k, min_p and repetition_penalty are what LLM.generate samples
+    with when given no SamplingParams (vLLM's --generation-config auto; a null is not a value); "vllm" keeps
+    SamplingParams' own. Here top_k 1: without SamplingParams, the greedy tokens."""
+    path = write_checkpoint("tiny-llama3", torch.float32, tmp_path / "model")
+    with_sampling(path, temperature=0.6, top_k=1, top_p=0.95, min_p=None, do_sample=True, max_new_tokens=5)
+    prompt = list(range(3, 20))
+    with LLM(str(path), device=device, num_blocks=64) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.6, top_k=1, top_p=0.95)
+        greedy = llm.generate([prompt], SamplingParams(temperature=0), use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.generate([prompt], use_tqdm=False)[0].outputs[0].token_ids == greedy
+    with LLM(str(path), device=device, num_blocks=64, generation_config="vllm") as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config must be one of auto, vllm, got 'hf'"):
+        LLM(str(path), device=device, generation_config="hf")
+
+
 def test_a_checkpoint_missing_a_shard_or_unlike_its_config_is_refused_by_name(checkpoint, device):
     config = json.loads((checkpoint / "config.json").read_text())
 

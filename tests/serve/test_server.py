@@ -22,10 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.serve.servers import in_process_server, weft_server
 from weft import LLM, SamplingParams
 from weft.benchmark import serving
+from weft.benchmark.peer import write_checkpoint
 from weft.benchmark.workloads import Request
 from weft.conformance import PROMPTS
 from weft.errors import ParamValueError
@@ -536,6 +538,24 @@ def tiny_server(tiny) -> str:
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}/{path}", json={"model": "tiny-llama", **body}, timeout=60)
+
+
+def test_a_checkpoints_sampling_defaults_fill_the_fields_a_request_leaves_out(tmp_path, device):
+    """Served from a checkpoint whose generation_config.json sets top_k 1 and temperature 0.6, a request that leaves
+    top_k out (or sends it as null) samples greedily; one that sets it samples with its own."""
+    path = write_checkpoint("tiny-llama3", torch.float32, tmp_path / "model")
+    generation = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**generation, "top_k": 1, "temperature": 0.6}))
+    config = EngineConfig(str(path), num_blocks=64, block_size=4, device=device)
+    with in_process_server(config, "model") as (url, _):
+
+        def text(**fields: object) -> str:
+            body = {"model": "model", "prompt": list(range(3, 20)), "max_tokens": 12, **fields}
+            return httpx.post(f"{url}/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+        greedy = text(temperature=0)
+        assert text() == greedy and text(top_k=None, seed=1) == greedy
+        assert any(text(top_k=-1, seed=seed) != greedy for seed in range(3))
 
 
 def test_a_full_queue_answers_429(tiny):

@@ -25,6 +25,7 @@ CPU_KV_CACHE_BYTES = 4 << 30  # the CPU pool's default budget (kv_cache_memory_b
 # vLLM's names: decode steps from whole-forward graphs and other steps piecewise (and, where the backend counts its
 # steps on the device, steps of decodes and a few prompts whole too), or only one of the two
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE")
+GENERATION_CONFIGS = ("auto", "vllm")
 CHUNKED_BUDGET = 8192  # max_num_batched_tokens' default with chunked prefill (vLLM's for its server)
 
 
@@ -55,6 +56,9 @@ class EngineConfig:
     max_logprobs: int = 20  # the most alternatives a request's logprobs or prompt_logprobs may ask for (vLLM's)
     # batch-invariant kernels: a request's tokens and logprobs the same bits whatever runs beside it (DETERMINISM)
     deterministic: bool = False
+    # vLLM's: "auto", a checkpoint's generation_config.json sampling fields are the defaults of a request that does
+    # not set them (LLM.generate without SamplingParams, the server); "vllm", SamplingParams' own
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -83,6 +87,9 @@ class EngineConfig:
             if not isinstance(value, bool) and not (value is None and name in ("enable_prefix_caching",
                                                                                 "enable_overlap")):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, got "
+                             f"{self.generation_config!r}")
         if self.enforce_eager:
             set_(self, "cudagraph_mode", "NONE")
         if self.enable_overlap is None:  # on the CPU a step runs as it is queued: nothing to overlap it with

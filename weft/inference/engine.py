@@ -61,6 +61,10 @@ class LLMEngine:
         self.model_config = source.config
         self.tokenizer = source.tokenizer
         self.eos_token_ids = source.eos_token_ids
+        # what a request that sets no sampling fields of its own samples with (config.generation_config)
+        self.sampling_defaults = source.sampling_defaults if config.generation_config == "auto" else {}
+        if self.sampling_defaults:
+            logger.info("%s: sampling defaults from generation_config.json: %s", source.name, self.sampling_defaults)
         self.ranks = RankGroup.start(config)  # the other tensor-parallel ranks build theirs beside this one
         self.runner: ModelRunner | None
         self.runner, self.pool = build_rank(config, source, 0, self.ranks)

@@ -31,6 +31,11 @@ class LLM:
     def get_tokenizer(self) -> Any | None:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams: the model's generation_config.json sampling
+        fields over SamplingParams' own (EngineConfig.generation_config), as in vLLM."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
+
     def generate(
         self,
         prompts: Any,
@@ -40,11 +45,13 @@ class LLM:
         """Serve prompts to completion; outputs come back in prompt order.
 
         `prompts`: one prompt or a list (see weft.inference.inputs); `sampling_params`: one for all,
-        or one per prompt. Every prompt is checked before any is queued: a bad one raises and
-        nothing runs.
+        or one per prompt (None: get_default_sampling_params()). Every prompt is checked before any is queued: a
+        bad one raises and nothing runs.
         """
         prompts = prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             params = list(sampling_params)

@@ -16,7 +16,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,10 @@ NAMED_CONFIGS: dict[str, dict] = {
                        sliding_window=None, tie_word_embeddings=False),
 }
 
+# the generation_config.json fields vLLM takes as a model's sampling defaults (its --generation-config auto), which
+# SamplingParams names alike; max_new_tokens, which vLLM also reads, is not taken
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -141,6 +145,8 @@ class ModelSource:
     eos_token_ids: frozenset[int]
     path: Path | None = None  # a HF checkpoint directory with *.safetensors
     hf_model: Any | None = None  # an in-memory transformers model
+    # a checkpoint's generation_config.json sampling fields (SAMPLING_DEFAULTS) it sets, by SamplingParams' names
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def load_into(self, model: nn.Module) -> None:
         """Fill `model` (built from `self.config`, or a tensor-parallel slice of it) with this source's
@@ -260,11 +266,11 @@ def _checkpoint(path: Path, name: str) -> ModelSource:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
-    eos = hf_config.eos_token_id
     generation = path / "generation_config.json"
-    if generation.is_file():
-        eos = json.loads(generation.read_text()).get("eos_token_id", eos)
-    return ModelSource(name, config, hf_config, tokenizer, _ids(eos), path=path)
+    settings = json.loads(generation.read_text()) if generation.is_file() else {}
+    eos = settings.get("eos_token_id", hf_config.eos_token_id)
+    defaults = {name: settings[name] for name in SAMPLING_DEFAULTS if settings.get(name) is not None}
+    return ModelSource(name, config, hf_config, tokenizer, _ids(eos), path=path, sampling_defaults=defaults)
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -300,6 +300,9 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
         """Checks that need no engine, then each prompt's stream (`labels` name them in errors): deltas when the
         client streams, else one final output each."""
         request.model = check_model(request.model)  # the responses name it
+        for name, value in aengine.info.sampling_defaults.items():  # the model's, for the fields it does not set
+            if name not in request.model_fields_set:
+                setattr(request, name, value)
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
         refuse_unsupported(request)

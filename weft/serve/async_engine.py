@@ -275,7 +275,8 @@ def engine_main(config: EngineConfig, commands, outputs) -> None:
     except BaseException as e:  # noqa: BLE001 (whatever it is, the server must say it and exit)
         outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
-    outputs.send(EngineReady(engine.model_name, engine.config.max_model_len, engine.pool.num_blocks))
+    outputs.send(EngineReady(engine.model_name, engine.config.max_model_len, engine.pool.num_blocks,
+                             engine.sampling_defaults))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=receive_all, args=(commands, inbox), name="weft-engine-receiver", daemon=True).start()

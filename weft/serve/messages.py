@@ -51,6 +51,7 @@ class EngineReady:
     model_name: str
     max_model_len: int
     num_blocks: int
+    sampling_defaults: dict  # LLMEngine.sampling_defaults: what a request's unset sampling fields take
 
 
 @dataclass(frozen=True)
