@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -31,6 +32,17 @@ def api_key(text: str) -> str:
     if not text:  # `--api-key "$UNSET"` must not serve without a key
         raise argparse.ArgumentTypeError("must not be empty (leave it out to serve without a key)")
     return text
+
+
+def string_list(text: str) -> tuple[str, ...]:
+    """A JSON list of strings, as vLLM's --allowed-origins takes it: '["https://a.example", "https://b.example"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+    return tuple(value)
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,7 +192,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import uvicorn
 
     from weft.inference.config import EngineConfig
-    from weft.serve.api_server import MAX_REQUEST_BODY_BYTES, build_app
+    from weft.serve.api_server import MAX_REQUEST_BODY_BYTES, Cors, build_app
     from weft.serve.async_engine import AsyncEngine
     from weft.utils import freeze_heap
 
@@ -190,8 +202,9 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         engine = AsyncEngine(config, args.max_queued_requests)  # the engine is built in its own process
     except (ValueError, TypeError) as e:
         parser.error(str(e))
+    cors = Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     app = build_app(engine, args.served_model_name or str(args.model), api_key=args.api_key,
-                    max_request_body_bytes=args.max_request_body_bytes or MAX_REQUEST_BODY_BYTES)
+                    max_request_body_bytes=args.max_request_body_bytes or MAX_REQUEST_BODY_BYTES, cors=cors)
     print(f"weft: serving {args.model} at http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     freeze_heap()  # this process's (the app's, the tokenizer's, torch's), as the engine's process freezes its own
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
@@ -218,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: $WEFT_API_KEY; unset: no key)")
     server.add_argument("--max-request-body-bytes", type=positive_int,
                         help="larger request bodies get 400, unread (default: 16 MiB)")
+    for what in ("origins", "methods", "headers"):  # CORS: what a web page's scripts may send, as vLLM's flags
+        server.add_argument(f"--allowed-{what}", type=string_list, default=("*",),
+                            help=f'CORS: allowed {what}, a JSON list (default: ["*"])')
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     server.set_defaults(run=serve, parser=server)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -23,7 +23,7 @@ from tests.serve.servers import in_process_server
 from weft.benchmark.peer import write_checkpoint
 from weft.cli import build_parser
 from weft.inference.config import EngineConfig
-from weft.serve.api_server import build_app
+from weft.serve.api_server import Cors, build_app
 from weft.serve.messages import EngineReady
 
 pytestmark = pytest.mark.serve
@@ -116,6 +116,40 @@ def test_the_key_opens_v1_tokenize_and_detokenize_and_nothing_else_needs_it(serv
     assert httpx.get(f"{root(server)}/version").json() == {"version": importlib.metadata.version("weft")}
 
 
+def preflight(http, path: str, origin: str) -> httpx.Response:
+    """What a browser asks before a page's script POSTs JSON with a key."""
+    return http.options(path, headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                       "Access-Control-Request-Headers": "authorization, content-type"})
+
+
+def test_cors_answers_a_browsers_preflight_before_the_key_is_asked_for(server):
+    """vLLM's CORS defaults: any origin, method and header. A preflight carries no key: it is answered, not 401;
+    the call that follows, with its key, carries the header that lets the page read the answer."""
+    with httpx.Client(base_url=root(server)) as http:
+        answer = preflight(http, "/v1/completions", "https://page.example")
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+        assert "POST" in answer.headers["access-control-allow-methods"]
+        call = http.get("/v1/models", headers={"Origin": "https://page.example", "Authorization": f"Bearer {KEY}"})
+        assert call.status_code == 200 and call.headers["access-control-allow-origin"] == "*"
+        assert "access-control-allow-origin" not in http.get("/health").headers  # no Origin: not a browser's call
+
+
+def test_cors_allows_only_the_origins_given():
+    cors = Cors(origins=("https://ok.example",), methods=("GET", "POST"))
+    with TestClient(build_app(Tokenizerless(), "tiny-llama", cors=cors)) as http:
+        ok = preflight(http, "/v1/completions", "https://ok.example")
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://ok.example"
+        other = preflight(http, "/v1/completions", "https://other.example")
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        call = http.get("/v1/models", headers={"Origin": "https://other.example"})
+        assert call.status_code == 200 and "access-control-allow-origin" not in call.headers  # the page cannot read it
+    args = build_parser().parse_args(["serve", "m", "--allowed-origins", '["https://ok.example"]',
+                                      "--allow-credentials"])
+    assert args.allowed_origins == ("https://ok.example",) and args.allowed_methods == ("*",) and args.allow_credentials
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--allowed-origins", "https://ok.example"])  # not a JSON list
+
+
 def test_api_key_from_the_flag_else_the_environment(monkeypatch):
     monkeypatch.setenv("WEFT_API_KEY", "from-env")
     assert build_parser().parse_args(["serve", "m"]).api_key == "from-env"
@@ -206,7 +240,7 @@ def test_tokenize_and_detokenize_refuse_what_they_cannot_answer(server, path, bo
 class Tokenizerless:
     """What build_app uses of an AsyncEngine, for a model without a tokenizer (random weights)."""
 
-    info = EngineReady("tiny-llama", max_model_len=64, num_blocks=16)
+    info = EngineReady("tiny-llama", max_model_len=64, num_blocks=16, sampling_defaults={})
     tokenizer, vocab_size = None, 512
 
     def start(self) -> None: ...

@@ -35,6 +35,7 @@ from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -183,8 +184,19 @@ def weft_version() -> str:
         return "unknown"
 
 
+@dataclasses.dataclass(frozen=True)
+class Cors:
+    """Which web pages' scripts may call the server (vLLM's --allowed-origins, --allowed-methods, --allowed-headers,
+    --allow-credentials, and their defaults: any)."""
+
+    origins: tuple[str, ...] = ("*",)
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+
 def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, cors: Cors = Cors()) -> FastAPI:
     """The app over a started engine process; outputs flow while the app runs, and the engine process
     stops when the app shuts down (lifespan). `api_key`: what guarded paths need (None: nothing)."""
     metrics = ServerMetrics(lambda: aengine.snapshot, served_model_name, aengine.info.max_model_len)
@@ -199,7 +211,10 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
     app.state.engine = aengine
     app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes)
     if api_key is not None:
-        app.add_middleware(AuthenticationMiddleware, api_key=api_key)  # added last, so it runs first
+        app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    # added last, so it runs first: a browser's preflight (OPTIONS, no key) is answered before the key is asked for
+    app.add_middleware(CORSMiddleware, allow_origins=cors.origins, allow_methods=cors.methods,
+                       allow_headers=cors.headers, allow_credentials=cors.credentials)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
