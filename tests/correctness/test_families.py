@@ -185,6 +185,9 @@ def test_a_checkpoints_generation_config_gives_the_sampling_defaults(tmp_path, d
         assert llm.get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="generation_config must be one of auto, vllm, got 'hf'"):
         LLM(str(path), device=device, generation_config="hf")
+    with_sampling(path, top_p=0)
+    with pytest.raises(ValueError, match="generation_config.json's sampling defaults: top_p must be in"):
+        LLM(str(path), device=device, num_blocks=64)
 
 
 def test_a_checkpoint_missing_a_shard_or_unlike_its_config_is_refused_by_name(checkpoint, device):

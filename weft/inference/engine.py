@@ -64,6 +64,11 @@ class LLMEngine:
         # what a request that sets no sampling fields of its own samples with (config.generation_config)
         self.sampling_defaults = source.sampling_defaults if config.generation_config == "auto" else {}
         if self.sampling_defaults:
+            try:  # a value SamplingParams refuses would refuse every request that leaves its field out
+                SamplingParams(**self.sampling_defaults)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{source.name}: generation_config.json's sampling defaults: {e} (generation_config="
+                                 "'vllm' leaves them out)") from None
             logger.info("%s: sampling defaults from generation_config.json: %s", source.name, self.sampling_defaults)
         self.ranks = RankGroup.start(config)  # the other tensor-parallel ranks build theirs beside this one
         self.runner: ModelRunner | None
