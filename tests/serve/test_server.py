@@ -265,7 +265,9 @@ BAD = [
     ("completions", {"model": NAME, "prompt": "hi", "truncate_prompt_tokens": 1, "truncation_side": "right"}, 400,
      "truncation_side"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
-                          "chat_template_kwargs": {"enable_thinking": False}}, 400, "chat_template_kwargs"),
+                          "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                          "continue_final_message": True}, 400, "continue_final_message"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "echo": True}, 400,
      "echo"),
     ("completions", {"model": NAME, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),  # --max-logprobs 20

@@ -20,6 +20,7 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
 from tests.serve.servers import in_process_server
+from weft import LLM, SamplingParams
 from weft.benchmark.peer import write_checkpoint
 from weft.cli import build_parser
 from weft.inference.config import EngineConfig
@@ -33,7 +34,7 @@ LIMIT = 65536  # --max-request-body-bytes
 BOS = 1  # "t1": the tokenizer's own special token
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
             "t2 {{ m['content'] }} {% if m['name'] is defined %}t9 {{ m['name'] }} {% endif %}t3 {% endfor %}"
-            "{% if add_generation_prompt %}t4{% endif %}")
+            "{% if add_generation_prompt %}t4{% endif %}{% if extra is defined %} {{ extra }}{% endif %}")
 CHAT = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7"}, {"role": "user", "content": "t8"}]
 
 
@@ -320,6 +321,38 @@ def test_tokenize_takes_the_template_options_weft_does_not_implement_at_their_of
            "mm_processor_kwargs": {}}
     assert post(server, "tokenize", {"messages": CHAT, **off}).json()["tokens"] == post(
         server, "tokenize", {"messages": CHAT}).json()["tokens"]
+
+
+def test_the_template_options_render_as_hfs_on_both_paths(server, tokenizer, checkpoint, device):
+    """vLLM's chat template options, on /tokenize, chat completions and LLM.chat alike: the template's own variables
+    (chat_template_kwargs), the last message left open (continue_final_message), the tokenizer's BOS on top."""
+    reply = [*CHAT, {"role": "assistant", "content": "t9 t10"}]
+    cases = [({"chat_template_kwargs": {"extra": "t11"}}, dict(messages=CHAT, extra="t11"), False),
+             ({"continue_final_message": True, "add_generation_prompt": False},
+              dict(messages=reply, continue_final_message=True, add_generation_prompt=False), False),
+             ({"add_special_tokens": True}, dict(messages=CHAT), True)]
+    for options, hf, special in cases:
+        hf = {"add_generation_prompt": True, **hf}
+        want = tokenizer.encode(tokenizer.apply_chat_template(hf.pop("messages"), tokenize=False, **hf),
+                                add_special_tokens=special)
+        messages = reply if options.get("continue_final_message") else CHAT
+        assert post(server, "tokenize", {"messages": messages, **options}).json()["tokens"] == want, options
+        chat = post(server, "v1/chat/completions", {"messages": messages, "max_tokens": 1, "return_token_ids": True,
+                                                    **options}).json()
+        assert chat["choices"][0]["prompt_token_ids"] == want, options
+    assert want[0] == BOS and want[-1] == 4
+    extra = post(server, "tokenize", {"messages": CHAT, "chat_template_kwargs": {"extra": "t11"}}).json()["tokens"]
+    open_turn = post(server, "tokenize", {"messages": reply, "continue_final_message": True,
+                                          "add_generation_prompt": False}).json()["tokens"]
+    assert extra[-1] == 11 and open_turn[-2:] == [9, 10]  # no t3 closing the last turn
+    for bad in ({"tokenize": True}, "extra", {"conversation": []}):
+        error = error_of(post(server, "tokenize", {"messages": CHAT, "chat_template_kwargs": bad}), 400)
+        assert error["param"] == "chat_template_kwargs", bad
+    with LLM(str(checkpoint), device=device, num_blocks=64) as llm:
+        out = llm.chat(reply, SamplingParams(max_tokens=1), use_tqdm=False, continue_final_message=True,
+                       add_generation_prompt=False, chat_template_kwargs={"extra": "t11"})[0]
+        want = tokenizer.apply_chat_template(reply, tokenize=False, continue_final_message=True, extra="t11")
+        assert out.prompt_token_ids == tokenizer.encode(want, add_special_tokens=False)
 
 
 def test_a_messages_text_parts_are_its_lines(server, tokenizer):

@@ -82,14 +82,20 @@ class LLM:
         messages: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation ([{"role", "content"}, ...]) or a list of them, through the model's
-        chat template (the server's /v1/chat/completions takes the same path)."""
+        chat template (the server's /v1/chat/completions takes the same path), with vLLM's template options
+        (weft.inference.chat.chat_prompt)."""
         engine = self.llm_engine
         conversations = [messages] if is_conversation(messages) else messages
         if isinstance(conversations, str) or not isinstance(conversations, Sequence):
             raise TypeError(f"messages must be a conversation or a list of them, got {messages!r:.60}")
-        prompts = [chat_prompt(engine.tokenizer, c, engine.model_name) for c in conversations]
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       chat_template_kwargs=chat_template_kwargs)
+        prompts = [chat_prompt(engine.tokenizer, c, engine.model_name, **options) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def close(self) -> None:

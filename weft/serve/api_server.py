@@ -288,8 +288,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
             refuse_unsupported(request)
             try:
                 tokens = await tokenizing(partial(chat_prompt, messages=request.messages, model_name=served_model_name,
-                                                  add_generation_prompt=request.add_generation_prompt,
-                                                  add_special_tokens=request.add_special_tokens))
+                                                  **request.template_options()))
             except (ValueError, TypeError) as e:
                 raise refusal(e) from None
         else:
@@ -363,7 +362,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, api_key: str | None 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
-        rid, streams = start(request, [Conversation(request.messages)], [MESSAGES])
+        rid, streams = start(request, [Conversation(request.messages, request.template_options())], [MESSAGES])
         (first,) = await first_outputs(raw, streams, request.field_names())
         if request.stream:
             return sse(chat_chunks(f"chatcmpl-{rid}", request, streams[0], first, metrics))

@@ -123,7 +123,7 @@ class AsyncEngine:
         """A text prompt's or a conversation's token ids, as the engine would make them (its ValueError / TypeError
         for one it would refuse)."""
         if isinstance(prompt, Conversation):
-            return chat_prompt(self.tokenizer, prompt.messages, self.info.model_name)
+            return chat_prompt(self.tokenizer, prompt.messages, self.info.model_name, **prompt.options)
         return parse_prompt(prompt, self.tokenizer, self.vocab_size, label).token_ids
 
     @property

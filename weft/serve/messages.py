@@ -21,6 +21,7 @@ class Conversation:
     """A chat's messages, for AsyncEngine.generate to render through the chat template (on its tokenizer's thread)."""
 
     messages: object
+    options: dict  # weft.inference.chat.chat_prompt's keyword arguments: the request's template options
 
 
 @dataclass(frozen=True)

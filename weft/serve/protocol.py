@@ -51,12 +51,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 COMPLETION_UNSUPPORTED = {  # max_completion_tokens is the chat API's name
     **UNSUPPORTED, "suffix": (None, ""), "add_special_tokens": (None, True), "max_completion_tokens": (None,),
 }  # fmt: skip
-CHAT_UNSUPPORTED = {  # the conversation is rendered by the model's own template, with the generation prompt
-    **UNSUPPORTED, "echo": (None, False), "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False), "add_special_tokens": (None, False), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
-    "documents": (None, []), "mm_processor_kwargs": (None, {}), "reasoning_effort": (None,),
-    "modalities": (None, ["text"]), "audio": (None,),
+CHAT_UNSUPPORTED = {  # the conversation is rendered by the model's own template
+    **UNSUPPORTED, "echo": (None, False), "chat_template": (None,), "documents": (None, []),
+    "mm_processor_kwargs": (None, {}), "reasoning_effort": (None,), "modalities": (None, ["text"]), "audio": (None,),
 }  # fmt: skip
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bounds; vLLM clamps to them too
 # OpenAI's bound on a prompt's completions (each a sequence the engine queues: memory a client chooses); a list of
@@ -249,7 +246,20 @@ class CompletionRequest(GenerationRequest):
         return self.prompt_logprobs
 
 
-class ChatCompletionRequest(GenerationRequest):
+class ChatTemplateOptions(BaseModel):
+    """vLLM's options for rendering a conversation through the model's chat template (weft.inference.chat)."""
+
+    add_generation_prompt: StrictBool = True  # the assistant's turn opened after the messages
+    continue_final_message: StrictBool = False  # the last message left open, for the model to go on with
+    add_special_tokens: StrictBool = False  # the tokenizer's own (BOS), on top of what the template writes
+    chat_template_kwargs: Any = None  # the template's own variables (Qwen3's enable_thinking, ...)
+
+    def template_options(self) -> dict[str, Any]:
+        return dict(add_generation_prompt=self.add_generation_prompt, add_special_tokens=self.add_special_tokens,
+                    continue_final_message=self.continue_final_message, chat_template_kwargs=self.chat_template_kwargs)
+
+
+class ChatCompletionRequest(GenerationRequest, ChatTemplateOptions):
     refused: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_UNSUPPORTED
     messages: Any  # [{"role", "content"}, ...], checked by weft.inference.chat
     max_completion_tokens: Any = None  # OpenAI's newer name for max_tokens
@@ -419,18 +429,15 @@ class TokenizeCompletionRequest(BaseModel):
     return_token_strs: StrictBool | None = False
 
 
-class TokenizeChatRequest(Refusing):
+class TokenizeChatRequest(Refusing, ChatTemplateOptions):
     """vLLM's /tokenize body for a conversation, through the model's chat template; the template options weft does
     not implement are refused as chat completions refuses them (ignoring one would answer other tokens)."""
 
     refused: ClassVar[dict[str, tuple[Any, ...]]] = {
-        name: CHAT_UNSUPPORTED[name] for name in ("continue_final_message", "chat_template", "chat_template_kwargs",
-                                                  "tools", "documents", "mm_processor_kwargs")
+        name: CHAT_UNSUPPORTED[name] for name in ("chat_template", "tools", "documents", "mm_processor_kwargs")
     }
     model: str | None = None
     messages: Any  # checked by weft.inference.chat
-    add_generation_prompt: StrictBool = True
-    add_special_tokens: StrictBool = False  # the tokenizer's own, on top of what the template writes
     return_token_strs: StrictBool | None = False
 
 
