@@ -409,24 +409,24 @@ def test_a_grammar_and_allowed_token_ids_allow_only_the_tokens_in_both(smol):
 
 @needs_smollm2
 def test_rules_that_leave_nothing_to_sample_are_refused_or_end_that_request_alone(smol):
-    """Rules that together allow no first token are a ValueError when queued; with a grammar among them (known once
-    it is compiled, after the request was queued), and rules that run out later (a grammar's second token outside
-    allowed_token_ids), they end that request as aborted, without the token, and the request beside it runs on as
-    it runs alone."""
+    """Rules that together allow no first token are a ValueError when queued (a grammar among them compiled first);
+    rules that run out later (a grammar's second token outside allowed_token_ids) end that request as aborted,
+    without the token, and the request beside it runs on as it runs alone."""
     tok = smol.get_tokenizer()
     one = tok.encode("1", add_special_tokens=False)
-    for rules in (dict(allowed_token_ids=sorted(smol.llm_engine.eos_token_ids), min_tokens=1),
+    for rules in (dict(structured_outputs=StructuredOutputsParams(json_object=True), allowed_token_ids=one),
+                  dict(structured_outputs=StructuredOutputsParams(regex="1"), bad_words=["1"]),
+                  dict(allowed_token_ids=sorted(smol.llm_engine.eos_token_ids), min_tokens=1),
                   dict(allowed_token_ids=one, bad_words=["1"])):
         with pytest.raises(ValueError, match="its rules allow no first token") as e:
             smol.generate([PROMPT], SamplingParams(max_tokens=4, **rules), use_tqdm=False)
         assert e.value.param == "allowed_token_ids"
     greedy = dict(max_tokens=8, temperature=0.0)
+    stuck = SamplingParams(**greedy, structured_outputs=StructuredOutputsParams(regex="12"), allowed_token_ids=one)
+    out = smol.generate([PROMPT, PROMPT], [stuck, SamplingParams(**greedy)], use_tqdm=False)
+    assert len(one) == 1 and (out[0].outputs[0].token_ids, out[0].outputs[0].finish_reason) == (one, "abort")
     alone = smol.generate([PROMPT], SamplingParams(**greedy), use_tqdm=False)[0]
-    for grammar, taken in ((StructuredOutputsParams(json_object=True), []), (StructuredOutputsParams(regex="12"), one)):
-        stuck = SamplingParams(**greedy, structured_outputs=grammar, allowed_token_ids=one)
-        out = smol.generate([PROMPT, PROMPT], [stuck, SamplingParams(**greedy)], use_tqdm=False)
-        assert len(one) == 1 and (out[0].outputs[0].token_ids, out[0].outputs[0].finish_reason) == (taken, "abort")
-        assert out[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert out[1].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
 @needs_smollm2
@@ -455,11 +455,13 @@ def test_a_grammar_compiles_while_the_other_requests_run(smol):
     engine.add_request("after", PROMPT, quick)
     assert not engine.compiling and [seq.request_id for seq in engine.scheduler.waiting] == ["cached", "after"]
     engine.abort_request(["cached", "after"])
-    engine.add_request("dropped", PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(
-        choice=options[:3000])))
-    assert list(engine.compiling) == ["dropped"]
-    engine.abort_request("dropped")
+    for i, count in enumerate((8000, 8001, 100)):  # the first two take both threads: the third waits its turn
+        spec = StructuredOutputsParams(choice=[f"dropped {j}" for j in range(count)])
+        engine.add_request(f"dropped {i}", PROMPT, SamplingParams(structured_outputs=spec))
+    queued = engine.compiling["dropped 2"]
+    engine.abort_request([f"dropped {i}" for i in range(3)])
     assert not engine.compiling and not engine.has_unfinished_requests() and engine.step() == []
+    assert queued.cancelled()  # never compiled: no request waits for it
 
 
 @needs_smollm2

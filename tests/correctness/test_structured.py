@@ -11,7 +11,7 @@ import torch
 
 from weft.errors import ParamTypeError, ParamValueError
 from weft.inference.chat import chat_prompt
-from weft.inference.structured import GrammarCompiler, StructuredOutputsParams
+from weft.inference.structured import GrammarCompiler, Matcher, StructuredOutputsParams
 from weft.layers.bitmask import allowed_tokens, token_bitmask
 from weft.models.loader import DEFAULT_MODEL, packaged_model_available
 
@@ -78,6 +78,26 @@ def compiler(smollm2) -> GrammarCompiler:
     return GrammarCompiler(smollm2.source.tokenizer, smollm2.source.config.V, smollm2.source.eos_token_ids)
 
 
+def matcher_of(compiler: GrammarCompiler, spec: StructuredOutputsParams) -> Matcher:
+    return compiler.matcher(compiler.compile(spec).result())
+
+
+@needs_smollm2
+def test_a_compile_no_request_waits_for_is_dropped_unless_it_has_started(compiler):
+    """Two long compiles take both threads; a third, queued behind them, is dropped: never started, and out of the
+    cache (compiled anew if asked again). The two running ones end on their threads, and stay cached."""
+    long = [StructuredOutputsParams(choice=[f"{word} {i}" for i in range(8000)]) for word in ("north", "south")]
+    running = [compiler.compile(spec) for spec in long]
+    third = StructuredOutputsParams(choice=[f"east {i}" for i in range(100)])
+    queued = compiler.compile(third)
+    compiler.drop(queued)
+    assert queued.cancelled() and compiler.compile(third) is not queued
+    for grammar, spec in zip(running, long, strict=True):
+        compiler.drop(grammar)
+        assert grammar.result() is not None and compiler.compile(spec) is grammar
+    assert compiler.compile(third).result() is not None
+
+
 @needs_smollm2
 @pytest.mark.parametrize(
     ("kwargs", "message"),
@@ -125,7 +145,7 @@ def test_a_bitmask_allows_exactly_its_set_bits(dtype, device):
 def greedy(smollm2, compiler: GrammarCompiler, spec: StructuredOutputsParams, request: str, cap: int = 40) -> str:
     """SmolLM2's greedy answer to `request` under `spec`'s mask, until it picks EOS (at most `cap` tokens)."""
     source, model = smollm2.source, smollm2.hf_model
-    matcher = compiler.matcher(spec)
+    matcher = matcher_of(compiler, spec)
     ids = chat_prompt(source.tokenizer, [{"role": "user", "content": request}], source.name)
     cache, tokens = None, []
     for _ in range(cap):
@@ -180,7 +200,7 @@ def test_ebnf_grammar(smollm2, compiler):
 def test_a_complete_output_allows_only_the_stop_tokens(smollm2, compiler):
     """Terminated once only a stop token can follow (not merely complete); a token off the grammar is refused."""
     tok, V = smollm2.source.tokenizer, smollm2.source.config.V
-    digits = compiler.matcher(StructuredOutputsParams(regex=r"\d{1,2}"))
+    digits = matcher_of(compiler, StructuredOutputsParams(regex=r"\d{1,2}"))
     digits.accept(tok.convert_tokens_to_ids("7"))
     assert not digits.terminated  # complete, but a second digit may follow
     digits.accept(tok.convert_tokens_to_ids("3"))
@@ -202,7 +222,7 @@ def test_ids_past_the_tokenizer_are_never_allowed(smollm2):
     info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=V, stop_token_ids=list(wider.stop_token_ids))
     whole = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_json_schema('{"type": "object"}',
                                                                                       any_whitespace=False))
-    matcher = wider.matcher(spec)
+    matcher = matcher_of(wider, spec)
     want = xgrammar.allocate_token_bitmask(1, V)
     for token in tok.encode('{"a": "b', add_special_tokens=False) + [None]:
         whole.fill_next_token_bitmask(want, 0)
@@ -270,7 +290,7 @@ def test_a_steps_allowed_rows_are_its_grammars_its_lists_and_both(compiler, smol
     seqs = [Sequence(i, [1, 2], 2, p, 16, RequestMetrics(0.0)) for i, p in enumerate(params)]
     for seq in seqs:
         if seq.params.structured_outputs is not None:
-            seq.matcher = compiler.matcher(spec)
+            seq.matcher = matcher_of(compiler, spec)
         if seq.params.allowed_token_ids is not None:
             seq.allowed = token_bitmask(listed, V)
     rules = SamplingState(V, device, 8, frozenset(smollm2.source.eos_token_ids)).rules(seqs)

@@ -38,7 +38,7 @@ from weft.inference.ranks import RankGroup, build_rank
 from weft.inference.runner import Launched, ModelRunner
 from weft.inference.sampling import can_sample
 from weft.inference.scheduler import SCHEDULERS, ScheduledBatch
-from weft.inference.sequence import Sequence, Status
+from weft.inference.sequence import Sequence
 from weft.inference.structured import GrammarCompiler
 from weft.layers.bitmask import token_bitmask
 from weft.models.llama import LlamaForCausalLM
@@ -124,56 +124,41 @@ class LLMEngine:
                              f"{len(request_ids)} ids, {len(prompts)} prompts, {len(params)} params, "
                              f"{len(labels)} labels")
         now = time.perf_counter() if arrival_time is None else arrival_time
-        groups = [self._sequences(*request, now) for request in zip(request_ids, prompts, params, labels, strict=True)]
-        ids = [group[0].request_id for group in groups]
+        checked = [self._sequences(*request, now) for request in zip(request_ids, prompts, params, labels, strict=True)]
+        ids = [group[0].request_id for group, _ in checked]
         for i, rid in enumerate(ids):
             if rid in self.requests or rid in ids[:i]:
                 raise ParamValueError(f"{labels[i]}: request id {rid!r} is already in flight")
-        for rid, group in zip(ids, groups, strict=True):
+        for rid, (group, grammar) in zip(ids, checked, strict=True):
             self.requests[rid] = group
-            spec = group[0].params.structured_outputs
-            if spec is None:
-                self._queue(group)
-                continue
-            grammar = self.grammars.compile(spec)
-            if not (grammar.done() and self._queue_compiled(group)):  # a grammar in the cache is queued in turn
+            if grammar is None or grammar.done():  # a grammar in the cache: queued in its turn
+                self._queue(group, grammar)
+            else:
                 self.compiling[rid] = grammar
 
-    def _queue(self, group: list[Sequence]) -> None:
+    def _queue(self, group: list[Sequence], grammar: Future | None) -> None:
+        """Queue a request, with its grammar's matchers once it is compiled."""
+        if grammar is not None and group[0].matcher is None:
+            self._match(group, grammar.result())
         for seq in group:
             self.scheduler.add(seq)
 
-    def _queue_compiled(self, group: list[Sequence]) -> bool:
-        """Queue a request whose grammar is compiled -> False, and not queued, if its rules leave no first token."""
+    def _match(self, group: list[Sequence], grammar: object) -> None:
         for seq in group:
-            seq.matcher = self.grammars.matcher(seq.params.structured_outputs)
-        if not can_sample(group[0], tuple(self.eos_token_ids), self.model_config.V):
-            return False
-        self._queue(group)
-        return True
+            seq.matcher = self.grammars.matcher(grammar)
 
-    def _compiled(self, wait: bool) -> list[RequestOutput]:
-        """Queue the requests whose grammar is compiled, in the order they came -> the outputs of those its rules
-        leave nothing to sample, which end as aborted. With `wait` (nothing else to run), first wait a little for
-        one: a command that comes meanwhile (an abort, a request) waits at most GRAMMAR_WAIT_S."""
+    def _compiled(self, wait: bool) -> None:
+        """Queue the requests whose grammar is compiled, in the order they came. With `wait` (nothing else to run),
+        first wait a little for one: a command that comes meanwhile (an abort, a request) waits at most
+        GRAMMAR_WAIT_S."""
         if wait:
             futures.wait(self.compiling.values(), GRAMMAR_WAIT_S, futures.FIRST_COMPLETED)
-        outputs = []
-        for rid in [rid for rid, future in self.compiling.items() if future.done()]:
-            del self.compiling[rid]
-            group = self.requests[rid]
-            if self._queue_compiled(group):
-                continue
-            logger.warning("request %s: its grammar and its other rules allow no first token; aborted", rid)
-            del self.requests[rid]
-            for seq in group:
-                seq.finish_reason, seq.status, seq.metrics.finished_time = "abort", Status.FINISHED, time.perf_counter()
-            outputs.append(self._output(group, group, finished=True))
-        return outputs
+        for rid in [rid for rid, grammar in self.compiling.items() if grammar.done()]:
+            self._queue(self.requests[rid], self.compiling.pop(rid))
 
     def _sequences(self, request_id: RequestId, prompt: object, params: object, label: str, now: float
-                   ) -> list[Sequence]:
-        """A checked request's n completions, queued nowhere yet."""
+                   ) -> tuple[list[Sequence], Future | None]:
+        """A checked request's n completions, queued nowhere yet, and its grammar (compiled or compiling)."""
         if isinstance(request_id, bool) or not isinstance(request_id, str | int):
             raise ParamTypeError(f"request_id must be a str or an int, got {request_id!r}")
         params = check_sampling_params(params, label)
@@ -222,12 +207,19 @@ class LLMEngine:
             if child.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]  # nothing predicts the first token
             group.append(seq)
-        if not can_sample(group[0], tuple(self.eos_token_ids), self.model_config.V):  # its grammar: once compiled
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)  # parsed here: an invalid one is refused now
+            if params.allowed_token_ids is not None or params.bad_words or params.min_tokens:
+                # rules that may leave its grammar no first token: that is a ValueError too, so its compile is waited
+                # for here (the other requests wait with it, as before grammars compiled on threads of their own)
+                self._match(group, grammar.result())
+        if not can_sample(group[0], tuple(self.eos_token_ids), self.model_config.V):
             raise ParamValueError(
-                f"{label}: its rules allow no first token (allowed_token_ids, bad_words and min_tokens' bans "
-                "together leave none)", "allowed_token_ids",
+                f"{label}: its rules allow no first token (allowed_token_ids, bad_words, min_tokens' bans and "
+                "structured_outputs together leave none)", "allowed_token_ids",
             )
-        return group
+        return group, grammar
 
     def _check_room(self, num_prompt_tokens: int, params: SamplingParams, label: str) -> None:
         """What to do with a max_tokens larger than the context the prompt leaves: nothing, here (the request stops at
@@ -235,7 +227,7 @@ class LLMEngine:
 
     def _check_params(self, params: SamplingParams, label: str) -> None:
         """What SamplingParams cannot check alone: token ids within the vocabulary, logprobs within max_logprobs,
-        a tokenizer for what is text (stop strings, bad words, grammars), a grammar that compiles."""
+        a tokenizer for what is text (stop strings, bad words, grammars)."""
         V = self.model_config.V
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
                           ("logit_bias", params.logit_bias)):
@@ -250,11 +242,9 @@ class LLMEngine:
         for name in ("stop", "bad_words", "structured_outputs"):
             if getattr(params, name) and self.tokenizer is None:
                 raise ParamValueError(f"{label}: {name} needs a tokenizer, and this model has none", name)
-        if params.structured_outputs is not None:
-            if self.grammars is None:
-                # a model without EOS ids of its own (a random shape given a tokenizer) ends grammars at the tokenizer's
-                self.grammars = GrammarCompiler(self.tokenizer, V, self.eos_token_ids or None)
-            self.grammars.compile(params.structured_outputs)  # parsed here: an invalid grammar is refused at once
+        if params.structured_outputs is not None and self.grammars is None:
+            # a model without EOS ids of its own (a random shape given a tokenizer) ends grammars at the tokenizer's
+            self.grammars = GrammarCompiler(self.tokenizer, V, self.eos_token_ids or None)
 
     def _bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token ids as it would begin the text and, where they differ, as a word within it (after a
@@ -270,8 +260,11 @@ class LLMEngine:
         """Drop requests (unknown or finished ids are ignored, as in vLLM); their blocks are free at once."""
         ids = [request_id] if isinstance(request_id, str | int) else list(request_id)
         for rid in ids:
-            if self.compiling.pop(rid, None) is not None:  # never queued
+            grammar = self.compiling.pop(rid, None)
+            if grammar is not None:  # never queued; its compile, if no other request waits for it, not started
                 del self.requests[rid]
+                if all(other is not grammar for other in self.compiling.values()):
+                    self.grammars.drop(grammar)
                 continue
             for seq in self.requests.pop(rid, ()):
                 if seq.finish_reason is None:
@@ -303,7 +296,7 @@ class LLMEngine:
         self._check_open()
         outputs = self._land(keep=1)  # what an interrupted call left in flight
         if self.compiling:
-            outputs += self._compiled(wait=not self.in_flight and not self.scheduler.has_work())
+            self._compiled(wait=not self.in_flight and not self.scheduler.has_work())
         batch = self.scheduler.schedule()
         self._count(batch)
         if not batch:

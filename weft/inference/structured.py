@@ -13,10 +13,10 @@ at first use: `import weft` stays light.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
+from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -128,10 +128,11 @@ class GrammarCompiler:
 
         stops = sorted(stop_token_ids) if stop_token_ids is not None else None
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=stops)
-        # the LRU below is the one cache: xgrammar's own would keep every grammar ever compiled. A compile's threads
-        # take half the cores (xgrammar's 8 where there are 16): the rest are the steps' (on 2 cores, a stream's
-        # largest gap beside a long compile: 1.15 s with 8, 0.61 s with 1; results/logs/serve_grammar_stall_*.log)
-        threads = max(1, (os.cpu_count() or 1) // 2)
+        # the LRU below is the one cache: xgrammar's own would keep every grammar ever compiled. The two compiles
+        # (below) take half the cores between them, at least a thread each: the rest are the steps' (on 2 cores, a
+        # stream's largest gap beside a long compile: 1.15 s with 8 threads, 0.61 s with 1;
+        # results/logs/serve_grammar_stall_*.log)
+        threads = max(1, (os.cpu_count() or 1) // 4)
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self.stop_token_ids: tuple[int, ...] = tuple(info.stop_token_ids)
         self._stop_row = token_bitmask(self.stop_token_ids, vocab_size)[0]
@@ -140,23 +141,36 @@ class GrammarCompiler:
         # 2 cores) and lets go of the interpreter lock: it runs on threads of its own, so that it holds up no step;
         # two, so that one long compile holds up no other request's
         self._threads = ThreadPoolExecutor(2, thread_name_prefix="weft-grammar")
-        self._cached = functools.lru_cache(maxsize=cache_size)(self._submit)
+        self._cache: OrderedDict[tuple, Future[xgrammar.CompiledGrammar]] = OrderedDict()  # LRU, by spec.key()
+        self.cache_size = cache_size
 
     def compile(self, spec: StructuredOutputsParams) -> Future[xgrammar.CompiledGrammar]:
         """spec's grammar, compiled or compiling (cached by spec.key()); an invalid one is a ParamValueError saying
-        why, raised here (parsing it takes milliseconds)."""
-        return self._cached(spec.key())
+        why, raised here (parsing it takes milliseconds). Whoever waits on it keeps this Future: the cache may drop
+        it meanwhile."""
+        key = spec.key()
+        grammar = self._cache.get(key)
+        if grammar is None:
+            grammar = self._threads.submit(self._compiler.compile_grammar, _parse(key))
+            self._cache[key] = grammar
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return grammar
 
-    def matcher(self, spec: StructuredOutputsParams) -> Matcher:
-        """A matcher at the start of spec's grammar (waiting for its compile)."""
-        return Matcher(self.compile(spec).result(), self._stop_row, self.words)
+    def drop(self, grammar: Future[xgrammar.CompiledGrammar]) -> None:
+        """No request waits for `grammar` any more: a compile not started yet is not started (and leaves the cache);
+        one running ends on its thread, and stays cached."""
+        if grammar.cancel():
+            self._cache = OrderedDict((k, g) for k, g in self._cache.items() if g is not grammar)
+
+    def matcher(self, grammar: xgrammar.CompiledGrammar) -> Matcher:
+        """A matcher at the start of a compiled grammar."""
+        return Matcher(grammar, self._stop_row, self.words)
 
     def close(self) -> None:
         """Drop the compiles not started; one running ends on its thread, its grammar unused."""
         self._threads.shutdown(wait=False, cancel_futures=True)
-
-    def _submit(self, key: tuple) -> Future[xgrammar.CompiledGrammar]:
-        return self._threads.submit(self._compiler.compile_grammar, _parse(key))
 
 
 def _parse(key: tuple) -> xgrammar.Grammar:
