@@ -156,7 +156,7 @@ def test_an_aborted_request_counts_nowhere_and_max_tokens_none_is_left_out():
 class FakeEngine:
     """What build_app uses of an AsyncEngine: each request's one output is `finished_output()`."""
 
-    info = EngineReady("fake", max_model_len=300, num_blocks=120)
+    info = EngineReady("fake", max_model_len=300, num_blocks=120, sampling_defaults={})
     running = True
     tokenizer = None
 
