@@ -137,8 +137,8 @@ class LLMEngine:
                 self.compiling[rid] = grammar
 
     def _queue(self, group: list[Sequence], grammar: Future | None) -> None:
-        """Queue a request, with its grammar's matchers once it is compiled."""
-        if grammar is not None and group[0].matcher is None:
+        """Queue a request; with the grammar its matchers wait for (compiled), its matchers first."""
+        if grammar is not None:
             self._match(group, grammar.result())
         for seq in group:
             self.scheduler.add(seq)
@@ -158,7 +158,8 @@ class LLMEngine:
 
     def _sequences(self, request_id: RequestId, prompt: object, params: object, label: str, now: float
                    ) -> tuple[list[Sequence], Future | None]:
-        """A checked request's n completions, queued nowhere yet, and its grammar (compiled or compiling)."""
+        """A checked request's n completions, queued nowhere yet, and the grammar its matchers wait for (compiled or
+        compiling; None if it has none, or has them already)."""
         if isinstance(request_id, bool) or not isinstance(request_id, str | int):
             raise ParamTypeError(f"request_id must be a str or an int, got {request_id!r}")
         params = check_sampling_params(params, label)
@@ -214,6 +215,7 @@ class LLMEngine:
                 # rules that may leave its grammar no first token: that is a ValueError too, so its compile is waited
                 # for here (the other requests wait with it, as before grammars compiled on threads of their own)
                 self._match(group, grammar.result())
+                grammar = None
         if not can_sample(group[0], tuple(self.eos_token_ids), self.model_config.V):
             raise ParamValueError(
                 f"{label}: its rules allow no first token (allowed_token_ids, bad_words, min_tokens' bans and "
